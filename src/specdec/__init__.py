@@ -1,0 +1,16 @@
+"""specdec: lossless speculative decoding for LLMs."""
+
+from specdec.config import CacheConfig, SamplingParams
+from specdec.generator import GenerationOutput, Generator
+from specdec.metrics import SpecMetrics
+from specdec.types import PAD_TOKEN_ID
+
+__all__ = [
+    "CacheConfig",
+    "GenerationOutput",
+    "Generator",
+    "PAD_TOKEN_ID",
+    "SamplingParams",
+    "SpecMetrics",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,156 @@
+"""Pure-PyTorch paged attention: the specification every fast backend is tested against.
+
+The ragged batch is padded into ``[batch, max_q]`` query rows and ``[batch, max_kv]`` KV slots
+gathered from the pages; one boolean mask carries causality, tree visibility, sliding windows
+and padding, and ``scaled_dot_product_attention`` does the rest. All index and mask tensors are
+built once per step in :meth:`TorchAttentionBackend.plan`; :meth:`run` only indexes and
+attends.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from specdec.interfaces import AttentionSpec
+from specdec.types import BatchLayout
+
+__all__ = ["TorchAttentionBackend", "TorchAttentionPlan", "visibility_mask"]
+
+
+@attrs.frozen(eq=False)
+class TorchAttentionPlan:
+    """Precomputed gather/scatter indices and the visibility mask for one step of one model."""
+
+    spec: AttentionSpec
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new row's K/V is written
+    kv_gather: torch.Tensor  # [batch, max_kv] int64 flat pool slots (padding reads slot 0)
+    q_scatter: torch.Tensor | None  # [num_tokens] int64 into [batch * max_q]; None if unpadded
+    mask: torch.Tensor | None  # [batch, 1, max_q, max_kv] bool (True = visible); None = all visible
+    batch_size: int
+    max_q: int
+
+
+def visibility_mask(
+    q_len: int,
+    kv_len: int,
+    tree_mask: torch.Tensor | None = None,  # [q_len, q_len] bool
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [q_len, kv_len] bool
+    """Which KV slots each new row of one sequence may attend to.
+
+    New row ``r`` sits at slot ``kv_len - q_len + r``. Causal rows see every slot up to their
+    own; tree rows see the prefix and the new rows their tree mask marks. A sliding window
+    hides slots more than ``sliding_window - 1`` before the row's own slot.
+    """
+    start = kv_len - q_len
+    row_slot = torch.arange(start, kv_len).unsqueeze(1)  # [q_len, 1]
+    col = torch.arange(kv_len).unsqueeze(0)  # [1, kv_len]
+    visible = col <= row_slot
+    if tree_mask is not None:
+        visible = visible.clone()
+        visible[:, start:] = tree_mask.to(torch.bool)
+    if sliding_window is not None:
+        visible &= col > row_slot - sliding_window
+    return visible
+
+
+class TorchAttentionBackend:
+    """Reference paged attention on any device PyTorch runs on (GQA, ragged, trees)."""
+
+    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> TorchAttentionPlan:
+        """Build indices and masks for one step (host work, once per model per step)."""
+        q_lens, kv_lens, page_size = layout.q_lens, layout.kv_lens, layout.page_size
+        batch, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
+        device = layout.token_ids.device
+
+        pages = layout.kv_page_indices.to(torch.int64).cpu().tolist()
+        indptr = layout.kv_page_indptr.cpu().tolist()
+        gather = torch.zeros(batch, max_kv, dtype=torch.int64)
+        offsets = torch.arange(page_size, dtype=torch.int64)
+        for i, kv_len in enumerate(kv_lens):
+            seq_pages = torch.tensor(pages[indptr[i] : indptr[i + 1]], dtype=torch.int64)
+            slots = (seq_pages.unsqueeze(1) * page_size + offsets).flatten()
+            gather[i, :kv_len] = slots[:kv_len]
+
+        tree_blocks = _split_tree_mask(layout)
+        needs_mask = (
+            batch > 1
+            or max_q > 1
+            or tree_blocks[0] is not None
+            or (spec.sliding_window is not None and max_kv > spec.sliding_window)
+        )
+        mask = None
+        if needs_mask:
+            mask = torch.zeros(batch, 1, max_q, max_kv, dtype=torch.bool)
+            for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+                mask[i, 0, :q_len, :kv_len] = visibility_mask(
+                    q_len, kv_len, tree_blocks[i], spec.sliding_window
+                )
+                mask[i, 0, q_len:, 0] = True  # padded rows see one slot: no all-masked NaN rows
+            mask = mask.to(device)
+
+        q_scatter = None
+        if batch > 1 and any(q != max_q for q in q_lens):
+            q_scatter = torch.cat(
+                [torch.arange(q, dtype=torch.int64) + i * max_q for i, q in enumerate(q_lens)]
+            ).to(device)
+        return TorchAttentionPlan(
+            spec=spec,
+            slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
+            kv_gather=gather.to(device),
+            q_scatter=q_scatter,
+            mask=mask,
+            batch_size=batch,
+            max_q=max_q,
+        )
+
+    def run(
+        self,
+        plan: TorchAttentionPlan,
+        q: torch.Tensor,  # [num_tokens, num_qo_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_qo_heads, head_dim]
+        """Write the new rows' K/V into the pages, then attend over the visible slots."""
+        spec = plan.spec
+        k_slots = k_pages.view(-1, spec.num_kv_heads, spec.head_dim)  # [num_slots, Hkv, D]
+        v_slots = v_pages.view(-1, spec.num_kv_heads, spec.head_dim)
+        k_slots.index_copy_(0, plan.slot_mapping, k.to(k_slots.dtype))
+        v_slots.index_copy_(0, plan.slot_mapping, v.to(v_slots.dtype))
+
+        batch, max_q = plan.batch_size, plan.max_q
+        keys = k_slots[plan.kv_gather].transpose(1, 2)  # [batch, Hkv, max_kv, D]
+        values = v_slots[plan.kv_gather].transpose(1, 2)
+        if plan.q_scatter is None:
+            queries = q.view(batch, max_q, spec.num_qo_heads, spec.head_dim)
+        else:
+            padded = q.new_zeros(batch * max_q, spec.num_qo_heads, spec.head_dim)
+            queries = padded.index_copy_(0, plan.q_scatter, q).view(
+                batch, max_q, spec.num_qo_heads, spec.head_dim
+            )
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # [batch, Hq, max_q, D]
+            keys,
+            values,
+            attn_mask=plan.mask,
+            scale=spec.sm_scale,
+            enable_gqa=spec.num_qo_heads != spec.num_kv_heads,
+        )
+        out = out.transpose(1, 2).reshape(batch * max_q, spec.num_qo_heads, spec.head_dim)
+        return out if plan.q_scatter is None else out[plan.q_scatter]
+
+
+def _split_tree_mask(layout: BatchLayout) -> list[torch.Tensor | None]:
+    """Cut the flattened per-sequence ``[q_len, q_len]`` tree blocks apart (None if causal)."""
+    if layout.tree_mask is None:
+        return [None] * layout.batch_size
+    flat = layout.tree_mask.cpu()
+    blocks, offset = [], 0
+    for q_len in layout.q_lens:
+        blocks.append(flat[offset : offset + q_len * q_len].view(q_len, q_len))
+        offset += q_len * q_len
+    return blocks

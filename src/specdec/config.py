@@ -1,0 +1,141 @@
+"""Frozen configuration records with shared named validators.
+
+Every config is ``@attrs.frozen(kw_only=True)``; change one with ``attrs.evolve``. Validators
+run at construction, so bad input fails before any work starts, with the argument named.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+
+__all__ = ["SamplingParams", "CacheConfig", "positive_int", "non_negative_int"]
+
+
+def positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: an ``int`` >= 1 (bools rejected)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be an int >= 1, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+def non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: an ``int`` >= 0 (bools rejected)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be an int >= 0, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def optional(validator):
+    """Validator combinator: ``None`` passes, anything else goes to ``validator``."""
+
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if value is not None:
+            validator(instance, attribute, value)
+
+    return check
+
+
+def _finite_float(attribute: attrs.Attribute, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{attribute.name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be finite, got {value}")
+    return float(value)
+
+
+def non_negative_float(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a finite number >= 0."""
+    if _finite_float(attribute, value) < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def unit_interval_open_closed(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a number in (0, 1]."""
+    v = _finite_float(attribute, value)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value}")
+
+
+def unit_interval_closed_open(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a number in [0, 1)."""
+    v = _finite_float(attribute, value)
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1), got {value}")
+
+
+def _to_str_tuple(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _to_int_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _stop_strings(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    for s in value:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{attribute.name} must hold non-empty strings, got {s!r}")
+
+
+def _token_ids(instance: object, attribute: attrs.Attribute, value: tuple) -> None:
+    for t in value:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"{attribute.name} must hold token ids >= 0, got {t!r}")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How one request turns logits into tokens, and when it stops.
+
+    ``temperature == 0`` is greedy decoding (no randomness; top-k/top-p/min-p ignored).
+    ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0`` switch those filters off.
+    ``seed`` makes sampled output reproducible; ``None`` draws a fresh seed per request.
+
+    Example:
+        >>> SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=0)
+    """
+
+    max_new_tokens: int = attrs.field(default=64, validator=positive_int)
+    temperature: float = attrs.field(default=0.0, validator=non_negative_float)
+    top_k: int = attrs.field(default=0, validator=non_negative_int)
+    top_p: float = attrs.field(default=1.0, validator=unit_interval_open_closed)
+    min_p: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
+    seed: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_to_int_tuple, validator=_token_ids
+    )
+    ignore_eos: bool = False
+    logprobs: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@attrs.frozen(kw_only=True)
+class CacheConfig:
+    """Paged KV cache sizing, shared by every model of a generator.
+
+    ``num_pages`` pages of ``page_size`` token slots each; every model (target, draft, heads)
+    has its own page-pool tensors indexed by the same page ids. ``None`` sizes the pool to hold
+    ``max_batch_size`` sequences of the target's full context.
+    """
+
+    page_size: int = attrs.field(default=16, validator=positive_int)
+    num_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
+    max_batch_size: int = attrs.field(default=8, validator=positive_int)
+    max_num_tokens: int | None = attrs.field(default=None, validator=optional(positive_int))

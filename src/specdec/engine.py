@@ -1,0 +1,319 @@
+"""One engine step: schedule -> (propose) -> plan -> target pass -> (verify) -> commit/rollback.
+
+The engine owns no math: sampling and verification are the sampler's and verifier's, attention
+is the backend's, page bookkeeping the KV manager's. It wires them for a batch and keeps the
+invariant that after a step the target's KV holds exactly ``request.num_computed`` slots of
+every running request (pages past that are released).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specdec.interfaces import (
+    AttentionBackend,
+    ProposeContext,
+    Proposer,
+    Sampler,
+    TargetStep,
+    Verifier,
+)
+from specdec.kv.paged import ModelKV
+from specdec.metrics import SpecMetrics
+from specdec.models.llama import LlamaModel
+from specdec.request import FinishReason, Request, TokenLogprob
+from specdec.sampling import SamplingTensors, logprobs_of
+from specdec.scheduler import BatchScheduler, ScheduledBatch
+from specdec.types import DraftProposal, ProposalKind, StepOutput
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Steps a batch of requests through the target (and the proposer, when there is one)."""
+
+    def __init__(
+        self,
+        *,
+        target: LlamaModel,
+        target_kv: ModelKV,
+        backend: AttentionBackend,
+        scheduler: BatchScheduler,
+        sampler: Sampler,
+        verifier: Verifier | None = None,
+        proposer: Proposer | None = None,
+        proposer_kv: ModelKV | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        self.target = target
+        self.target_kv = target_kv
+        self.backend = backend
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.verifier = verifier
+        self.proposer = proposer
+        self.proposer_kv = proposer_kv
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.metrics = SpecMetrics()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> StepOutput:
+        """Run one step over the scheduled batch; finished requests leave the batch."""
+        batch = self.scheduler.schedule(self.num_speculative_tokens)
+        for req in batch.preempted:
+            self._release_proposer(req)
+        if batch.empty:
+            return StepOutput.empty()
+        start = time.perf_counter()
+        if batch.decode_only and batch.lookahead > 0:
+            out = self._speculative_step(batch)
+        else:
+            out = self._plain_step(batch)
+        elapsed = time.perf_counter() - start
+        self.metrics.elapsed_s += elapsed
+        for req in batch.requests:
+            req.metrics.elapsed_s += elapsed
+        return out
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        """End ``req`` with ``error``; its pages and proposer state are released at once."""
+        req.error = error
+        self._finish(req, FinishReason.ERROR)
+
+    def cancel(self, req: Request) -> None:
+        self._finish(req, FinishReason.CANCELLED)
+
+    # ------------------------------------------------------------ plain step
+    def _plain_step(self, batch: ScheduledBatch) -> StepOutput:
+        reqs = batch.requests
+        rows = [req.token_ids[req.num_computed :] for req in reqs]
+        starts = [req.num_computed for req in reqs]
+        want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
+        layout = self.target_kv.layout(
+            [r.seq_id for r in reqs], rows, starts, device=self.target.device
+        )
+        plan = self.backend.plan(layout, self.target.config.attention_spec)
+        out = self.target(
+            layout,
+            self.target_kv,
+            self.backend,
+            plan,
+            logits_indices=layout.last_row_indices,
+            return_hidden=want_hidden,
+        )
+        params = [r.params for r in reqs]
+        tokens = self.sampler.sample(out.logits, params, [r.generator for r in reqs]).tolist()
+        self._record_logprobs(reqs, out.logits, [[t] for t in tokens])
+
+        new_tokens = []
+        for req, tok in zip(reqs, tokens):
+            req.num_computed = len(req.token_ids)
+            req.append([tok])
+            req.metrics.num_target_forwards += 1
+            req.metrics.num_generated_tokens += 1
+            new_tokens.append((tok,))
+        self.metrics.num_target_forwards += 1
+        self.metrics.num_generated_tokens += len(reqs)
+        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, layout.q_lens, [0] * len(reqs), out.hidden_states)
+        self._finish_stopped(reqs)
+        return StepOutput(
+            seq_ids=tuple(r.seq_id for r in reqs),
+            new_token_ids=tuple(new_tokens),
+            num_drafted=(0,) * len(reqs),
+            num_accepted=(0,) * len(reqs),
+            speculative=False,
+        )
+
+    # ------------------------------------------------------ speculative step
+    def _speculative_step(self, batch: ScheduledBatch) -> StepOutput:
+        reqs = batch.requests
+        proposal = self.proposer.propose(
+            ProposeContext(
+                seq_ids=tuple(r.seq_id for r in reqs),
+                token_ids=tuple(r.token_ids for r in reqs),
+                params=tuple(r.params for r in reqs),
+                generators=tuple(r.generator for r in reqs),
+                num_speculative_tokens=batch.lookahead,
+                kv=self.proposer_kv,
+                backend=self.backend,
+            )
+        )
+        _check_proposal(proposal, len(reqs), batch.lookahead)
+        drafts = proposal.draft_token_ids.tolist()
+        num_draft = proposal.num_draft_tokens
+        starts = [len(r.token_ids) - 1 for r in reqs]
+        rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
+        positions, tree_masks = None, None
+        if proposal.kind is ProposalKind.TREE:
+            positions, tree_masks = _tree_rows(proposal, starts)
+        want_hidden = self.proposer.needs_target_hidden
+        layout = self.target_kv.layout(
+            [r.seq_id for r in reqs],
+            rows,
+            starts,
+            positions=positions,
+            tree_masks=tree_masks,
+            device=self.target.device,
+        )
+        plan = self.backend.plan(layout, self.target.config.attention_spec)
+        out = self.target(layout, self.target_kv, self.backend, plan, return_hidden=want_hidden)
+        width = proposal.width
+        row_index = _padded_row_index(layout.q_lens, width + 1).to(out.logits.device)
+        target_logits = out.logits[row_index]  # [batch, width + 1, vocab]
+        params = [r.params for r in reqs]
+        result = self.verifier.verify(
+            target_logits, proposal, params, [r.generator for r in reqs]
+        )
+
+        emitted = result.emitted_token_ids.tolist()
+        accepted_rows = result.accepted_rows.tolist()
+        hidden = out.hidden_states
+        if proposal.kind is ProposalKind.TREE:
+            hidden = self._compact_tree(reqs, starts, accepted_rows, result.num_emitted, layout.q_lens, hidden)
+        kept_tokens = [e[:n] for e, n in zip(emitted, result.num_emitted)]
+        self._record_logprobs_verify(reqs, target_logits, kept_tokens, accepted_rows)
+
+        new_tokens = []
+        for i, req in enumerate(reqs):
+            kept = req.append(kept_tokens[i])
+            req.num_computed = len(req.token_ids) - 1
+            req.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
+            req.metrics.num_target_forwards += 1
+            req.metrics.num_generated_tokens += kept
+            self.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
+            self.metrics.num_generated_tokens += kept
+            new_tokens.append(tuple(kept_tokens[i][:kept]))
+            # Release pages that only held rejected drafts (the next step re-reserves).
+            manager = self.target_kv.manager
+            manager.truncate(req.seq_id, min(len(req.token_ids), manager.capacity(req.seq_id)))
+        self.metrics.num_target_forwards += 1
+        kept_rows = [min(a + 1, len(t)) for a, t in zip(result.num_accepted, new_tokens)]
+        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, kept_rows, list(result.num_accepted), hidden)
+        self._finish_stopped(reqs)
+        return StepOutput(
+            seq_ids=tuple(r.seq_id for r in reqs),
+            new_token_ids=tuple(new_tokens),
+            num_drafted=tuple(num_draft),
+            num_accepted=tuple(result.num_accepted),
+            speculative=True,
+        )
+
+    def _compact_tree(self, reqs, starts, accepted_rows, num_emitted, q_lens, hidden):
+        """Move the accepted path's KV (and hidden rows) to contiguous slots after the prefix."""
+        offsets = [0]
+        for q in q_lens:
+            offsets.append(offsets[-1] + q)
+        order = []
+        for i, req in enumerate(reqs):
+            path = accepted_rows[i][: num_emitted[i]]
+            self.target_kv.manager.compact(req.seq_id, [starts[i] + r for r in path], starts[i])
+            rest = [r for r in range(q_lens[i]) if r not in set(path)]
+            order.extend(offsets[i] + r for r in [*path, *rest])
+        if hidden is None:
+            return None
+        return hidden[torch.tensor(order, device=hidden.device)]
+
+    # --------------------------------------------------------------- helpers
+    def _tell_proposer(self, reqs, input_ids, q_lens, starts, kept_rows, num_accepted, hidden) -> None:
+        if self.proposer is None:
+            return
+        indptr = [0]
+        for q in q_lens:
+            indptr.append(indptr[-1] + q)
+        self.proposer.on_target_step(
+            TargetStep(
+                seq_ids=tuple(r.seq_id for r in reqs),
+                token_ids=tuple(r.token_ids for r in reqs),
+                input_token_ids=input_ids,
+                qo_indptr=tuple(indptr),
+                start_slots=tuple(starts),
+                kept_rows=tuple(kept_rows),
+                num_accepted=tuple(num_accepted),
+                hidden_states=hidden,
+                kv=self.proposer_kv,
+                backend=self.backend,
+            )
+        )
+
+    def _record_logprobs(self, reqs: Sequence[Request], logits: torch.Tensor, tokens) -> None:
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not want:
+            return
+        for i in want:
+            self._append_logprobs(reqs[i], logits[i : i + 1], tokens[i][:1])
+
+    def _record_logprobs_verify(self, reqs, target_logits, kept_tokens, accepted_rows) -> None:
+        for i, req in enumerate(reqs):
+            if req.params.logprobs is None:
+                continue
+            n = len(kept_tokens[i])
+            rows = torch.tensor(accepted_rows[i][:n], device=target_logits.device)
+            self._append_logprobs(req, target_logits[i, rows], kept_tokens[i])
+
+    @staticmethod
+    def _append_logprobs(req: Request, logits: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Logprobs of ``tokens`` under the request's processed target distribution."""
+        n = len(tokens)
+        st = SamplingTensors.from_params([req.params] * n, logits.device)
+        ids = torch.tensor(list(tokens), device=logits.device)
+        lp, top_ids, top_lp = logprobs_of(logits[:n], st, ids, req.params.logprobs)
+        for j in range(n):
+            top = tuple(zip(top_ids[j].tolist(), top_lp[j].tolist()))
+            req.logprobs.append(TokenLogprob(token_id=int(tokens[j]), logprob=float(lp[j]), top=top))
+
+    def _finish_stopped(self, reqs: Sequence[Request]) -> None:
+        for req in reqs:
+            if req.finish_reason is not None:
+                self._finish(req, req.finish_reason)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self._release_proposer(req)
+
+    def _release_proposer(self, req: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.release(req.seq_id)
+
+
+def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) -> None:
+    """A proposer's output must fit the step; a misbehaving plug-in fails loudly here."""
+    if proposal.batch_size != batch_size:
+        raise ValueError(f"proposer returned {proposal.batch_size} rows for a batch of {batch_size}")
+    if len(proposal.num_draft_tokens) != batch_size:
+        raise ValueError("proposer's num_draft_tokens must have one entry per sequence")
+    if any(n < 0 or n > min(proposal.width, lookahead) for n in proposal.num_draft_tokens):
+        raise ValueError(
+            f"proposer drafted {proposal.num_draft_tokens} tokens; allowed 0..{lookahead} per sequence"
+        )
+
+
+def _padded_row_index(q_lens: Sequence[int], width: int) -> torch.Tensor:
+    """[batch, width] flat row of each sequence's verify row j (clamped to its last row)."""
+    index, offset = [], 0
+    for q in q_lens:
+        index.append([offset + min(j, q - 1) for j in range(width)])
+        offset += q
+    return torch.tensor(index, dtype=torch.int64)
+
+
+def _tree_rows(proposal: DraftProposal, starts: Sequence[int]):
+    """RoPE positions and ``[q, q]`` ancestor masks for tree rows (row 0 is the root)."""
+    parents = proposal.parents.tolist()
+    positions, masks = [], []
+    for i, start in enumerate(starts):
+        n = proposal.num_draft_tokens[i]
+        q = n + 1
+        mask = torch.zeros(q, q, dtype=torch.bool)
+        depth = [0] * q
+        mask[0, 0] = True
+        for j in range(n):
+            parent = parents[i][j] + 1  # -1 (the root) -> row 0
+            depth[j + 1] = depth[parent] + 1
+            mask[j + 1] = mask[parent]
+            mask[j + 1, j + 1] = True
+        positions.append([start + d for d in depth])
+        masks.append(mask)
+    return positions, masks

@@ -1,0 +1,360 @@
+"""The facade: build a generator from checkpoints or objects, then generate and stream.
+
+Wiring only: validation of user input, construction of the KV cache, scheduler and engine,
+and turning requests into outputs. The math lives in sampling/verify, the stepping in engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from specdec.attention import default_backend
+from specdec.config import CacheConfig, SamplingParams
+from specdec.engine import Engine
+from specdec.interfaces import Proposer, Verifier
+from specdec.kv.allocator import PageAllocator
+from specdec.kv.paged import KVCacheManager
+from specdec.metrics import SpecMetrics
+from specdec.models.llama import LlamaModel
+from specdec.models.loading import load_model
+from specdec.request import FinishReason, Request, TokenLogprob
+from specdec.sampling import TorchSampler, make_generator
+from specdec.scheduler import BatchScheduler
+from specdec.verify.chain import ChainVerifier
+
+__all__ = ["Generator", "GenerationOutput"]
+
+Prompt = str | Sequence[int]
+
+
+@attrs.frozen
+class GenerationOutput:
+    """One request's result. ``text`` excludes a matched stop string."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    metrics: SpecMetrics
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Generator:
+    """Plain or speculative generation over one target model.
+
+    Example:
+        >>> gen = Generator.from_pretrained("path/to/target", dtype="bfloat16")
+        >>> gen.generate("def fib(n):", SamplingParams(max_new_tokens=32)).text
+    """
+
+    def __init__(
+        self,
+        *,
+        target: LlamaModel,
+        tokenizer: object | None = None,
+        proposer: Proposer | None = None,
+        cache_config: CacheConfig | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        backend: object | None = None,
+        verifier: Verifier | None = None,
+    ) -> None:
+        if not isinstance(target, LlamaModel):
+            raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
+        if proposer is not None and not isinstance(proposer, Proposer):
+            raise TypeError(
+                f"proposer must implement specdec.interfaces.Proposer, got {type(proposer).__name__}"
+            )
+        if verifier is not None and not isinstance(verifier, Verifier):
+            raise TypeError(
+                f"verifier must implement specdec.interfaces.Verifier, got {type(verifier).__name__}"
+            )
+        cache_config = cache_config or CacheConfig()
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.cache_config = cache_config
+        cfg = target.config
+        self.max_context = cfg.max_position_embeddings
+        self.eos_token_ids = frozenset(
+            cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        )
+        k = proposer.num_speculative_tokens if proposer is not None else 0
+        self.max_seq_slots = (cache_config.max_num_tokens or min(self.max_context, 4096)) + k + 1
+        num_pages = cache_config.num_pages or cache_config.max_batch_size * math.ceil(
+            self.max_seq_slots / cache_config.page_size
+        )
+        self.kv = KVCacheManager(PageAllocator(num_pages), cache_config.page_size)
+        target_kv = self.kv.add_pool(cfg.kv_spec("target", target.dtype), target.device)
+        proposer_kv = None
+        if proposer is not None:
+            specs = proposer.kv_specs()
+            if len(specs) > 1:
+                raise ValueError("a proposer may declare at most one KV pool")
+            if specs:
+                proposer_kv = self.kv.add_pool(specs[0], target.device)
+        self.scheduler = BatchScheduler(
+            self.kv,
+            max_batch_size=cache_config.max_batch_size,
+            max_prefill_tokens=max(8192, cache_config.page_size),
+        )
+        self.engine = Engine(
+            target=target,
+            target_kv=target_kv,
+            backend=backend or default_backend(target.device),
+            scheduler=self.scheduler,
+            sampler=TorchSampler(),
+            verifier=(verifier or ChainVerifier()) if proposer is not None else None,
+            proposer=proposer,
+            proposer_kv=proposer_kv,
+            num_speculative_tokens=k,
+        )
+        self._next_seq_id = 0
+
+    # ----------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path,
+        *,
+        proposer: Proposer | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "bfloat16",
+        cache_config: CacheConfig | None = None,
+    ) -> Generator:
+        """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer."""
+        model, _, path = load_model(target, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path)
+        return cls(
+            target=model,
+            tokenizer=tokenizer,
+            proposer=proposer,
+            cache_config=cache_config,
+            eos_token_ids=_eos_ids(path, model, tokenizer),
+        )
+
+    @classmethod
+    def from_components(
+        cls,
+        target: LlamaModel,
+        tokenizer: object | None = None,
+        *,
+        proposer: Proposer | None = None,
+        cache_config: CacheConfig | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        verifier: Verifier | None = None,
+    ) -> Generator:
+        """Build from objects already in memory (tests, notebooks, custom models)."""
+        return cls(
+            target=target,
+            tokenizer=tokenizer,
+            proposer=proposer,
+            cache_config=cache_config,
+            eos_token_ids=eos_token_ids,
+            verifier=verifier,
+        )
+
+    # ------------------------------------------------------------- generation
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> GenerationOutput | list[GenerationOutput]:
+        """Generate for one prompt (text or token ids) or a list of them (list in, list out).
+
+        ``params`` is one SamplingParams for all prompts or a list with one per prompt, so
+        greedy and sampled requests can share a batch.
+        """
+        single, prompt_list = _normalize_prompts(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompt_list):
+                raise ValueError(
+                    f"params has {len(params)} entries for {len(prompt_list)} prompts; pass one "
+                    "SamplingParams or one per prompt"
+                )
+            per_prompt = [_check_params(p) for p in params]
+        else:
+            per_prompt = [_check_params(params)] * len(prompt_list)
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompt_list, per_prompt)]
+        self._run(reqs)
+        outs = [self._output(r) for r in reqs]
+        return outs[0] if single else outs
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one prompt's completion as tokens are emitted."""
+        single, prompt_list = _normalize_prompts(prompt)
+        if not single:
+            raise TypeError("stream() takes one prompt (a string or a list of token ids)")
+        params = _check_params(params)
+        req = self._make_request(prompt_list[0], params)
+        sent = ""
+        try:
+            self._submit([req])
+            while not req.finished:
+                self.engine.step()
+                text = self._text(req)
+                if req.finished or not text.endswith("\ufffd"):
+                    if len(text) > len(sent):
+                        yield text[len(sent) :]
+                        sent = text
+            self._raise_if_failed([req])
+        finally:
+            if not req.finished:
+                self.engine.cancel(req)
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def metrics(self) -> SpecMetrics:
+        """Totals over every request this generator has run."""
+        return self.engine.metrics
+
+    def kv_stats(self) -> dict[str, int]:
+        """``num_free_pages``, ``num_total_pages`` and more, from the one page allocator."""
+        return self.kv.stats()
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this generator has no tokenizer: pass token ids instead of text")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # -------------------------------------------------------------- internals
+    def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must not be empty (it encodes to zero tokens)")
+        vocab = self.target.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_context:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_context}, so a "
+                f"prompt may have at most {self.max_context - 1}"
+            )
+        max_total = min(self.max_context, len(ids) + params.max_new_tokens)
+        if max_total + self.engine.num_speculative_tokens + 1 > self.max_seq_slots or (
+            self.kv.allocator.num_total_pages * self.kv.page_size
+            < max_total + self.engine.num_speculative_tokens + 1
+        ):
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the KV cache's per-sequence capacity ({self.max_seq_slots - self.engine.num_speculative_tokens - 1} "
+                "tokens); raise CacheConfig(max_num_tokens=...)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("params.stop needs a tokenizer; use stop_token_ids instead")
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return Request(
+            seq_id=seq_id,
+            prompt_ids=ids,
+            params=params,
+            generator=None if params.is_greedy else make_generator(params.seed, self.target.device),
+            eos_token_ids=self.eos_token_ids,
+            max_total_tokens=max_total,
+            decode=self.decode if params.stop else None,
+        )
+
+    def _submit(self, reqs: Sequence[Request]) -> None:
+        for req in reqs:
+            self.scheduler.add(req)
+
+    def _run(self, reqs: Sequence[Request]) -> None:
+        try:
+            self._submit(reqs)
+            while not all(r.finished for r in reqs):
+                self.engine.step()
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.engine.cancel(req)
+        self._raise_if_failed(reqs)
+
+    @staticmethod
+    def _raise_if_failed(reqs: Sequence[Request]) -> None:
+        for req in reqs:
+            if req.finish_reason is FinishReason.ERROR and req.error is not None:
+                raise RuntimeError(f"request {req.seq_id} failed: {req.error}") from req.error
+
+    def _text(self, req: Request) -> str:
+        text = self.decode(req.output_ids)
+        return text if req.stop_text_len is None else text[: req.stop_text_len]
+
+    def _output(self, req: Request) -> GenerationOutput:
+        return GenerationOutput(
+            text=self._text(req),
+            token_ids=list(req.output_ids),
+            prompt_token_ids=list(req.prompt_ids),
+            finish_reason=req.finish_reason.value if req.finish_reason else "unknown",
+            metrics=req.metrics,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        )
+
+
+def _normalize_prompts(prompts: object) -> tuple[bool, list[Prompt]]:
+    """(is_single, list of prompts); raises TypeError naming ``prompts`` otherwise."""
+    if isinstance(prompts, str):
+        return True, [prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("prompts must not be empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return True, [list(prompts)]
+        if all(isinstance(p, str) for p in prompts):
+            return False, list(prompts)
+        if all(
+            isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts
+        ):
+            return False, [list(p) for p in prompts]
+    raise TypeError(
+        "prompts must be a string, a list of token ids, or a list of either, "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def _check_params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    return params
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(path: Path) -> object | None:
+    """The transformers tokenizer of a model directory or ``.gguf`` file.
+
+    ``None`` for a directory without tokenizer files: such a generator takes token ids only.
+    """
+    from transformers import AutoTokenizer
+
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _eos_ids(path: Path, model: LlamaModel, tokenizer: object) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, united."""
+    ids = set(model.config.eos_token_ids)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,179 @@
+"""The Protocols every pluggable part implements.
+
+A researcher adds a proposer by implementing :class:`Proposer` (see docs/custom_proposer.md);
+the engine never asks which concrete class it holds. Records passed through these interfaces
+live in :mod:`specdec.types`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from specdec.config import SamplingParams
+from specdec.types import BatchLayout, DraftProposal, ProposalKind, VerifyResult
+
+if TYPE_CHECKING:
+    from specdec.kv.paged import KVSpec, ModelKV
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionSpec",
+    "Proposer",
+    "ProposeContext",
+    "TargetStep",
+    "Verifier",
+    "Sampler",
+    "Scheduler",
+]
+
+
+@attrs.frozen(kw_only=True)
+class AttentionSpec:
+    """One model's attention shape, fixed for its lifetime."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sm_scale: float
+    sliding_window: int | None = None  # attend to at most this many most recent slots
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Paged attention over a ragged batch.
+
+    ``plan`` does the host-side work once per step and model; ``run`` is called once per layer,
+    writes the new rows' K/V into the pages at ``layout.slot_mapping`` and attends. ``run`` must
+    not allocate per-step metadata or synchronise with the host.
+    """
+
+    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> object: ...
+
+    def run(
+        self,
+        plan: object,
+        q: torch.Tensor,  # [num_tokens, num_qo_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_qo_heads, head_dim]
+        ...
+
+
+@attrs.frozen(eq=False)
+class ProposeContext:
+    """Everything a proposer may read to draft for one decode batch.
+
+    ``token_ids[i]`` is sequence ``i``'s whole history (prompt and emitted tokens); its last
+    token has not been run through the target yet, so the verify pass starts at slot
+    ``len(token_ids[i]) - 1``. Page capacity for ``num_speculative_tokens`` more slots has been
+    reserved by the engine, so proposers never allocate. ``kv`` is the proposer's own KV
+    (``None`` when it declared no ``kv_specs``).
+    """
+
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[Sequence[int], ...]
+    params: tuple[SamplingParams, ...]
+    generators: tuple[torch.Generator | None, ...]
+    num_speculative_tokens: int  # this step's width, <= proposer.num_speculative_tokens
+    kv: ModelKV | None = None
+    backend: AttentionBackend | None = None
+
+
+@attrs.frozen(eq=False)
+class TargetStep:
+    """What one target forward committed, told to the proposer so it can follow the target.
+
+    Sent after every target pass: prefill, plain decode and verification. ``input_token_ids``
+    are the rows the target ran (flattened, ``qo_indptr`` CSR), starting at slot
+    ``start_slots[i]``; ``kept_rows[i]`` of them (a prefix, after tree compaction) are now the
+    target's committed KV. ``token_ids[i]`` is the history after the step (its last token is
+    the newly emitted one, not yet in any KV). ``hidden_states`` are the target's last hidden
+    states for the input rows, present when the proposer asked for them; for tree steps they
+    have been gathered so the kept path comes first.
+    """
+
+    seq_ids: tuple[int, ...]
+    token_ids: tuple[Sequence[int], ...]
+    input_token_ids: torch.Tensor  # [num_rows] int64
+    qo_indptr: tuple[int, ...]  # host CSR over input rows, len batch + 1
+    start_slots: tuple[int, ...]
+    kept_rows: tuple[int, ...]
+    num_accepted: tuple[int, ...]  # drafts accepted (0 on plain steps)
+    hidden_states: torch.Tensor | None = None  # [num_rows, hidden]
+    kv: ModelKV | None = None
+    backend: AttentionBackend | None = None
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Drafts tokens for the target to verify.
+
+    Lifecycle per sequence: ``propose`` (decode steps only) -> ``on_target_step`` (after every
+    target pass, speculative or not) -> ... -> ``release`` when the sequence ends (finished,
+    cancelled, failed or preempted). Proposers keep per-sequence state keyed by sequence id and
+    must roll it back to the target's committed length in ``on_target_step``.
+    """
+
+    kind: ProposalKind
+    num_speculative_tokens: int  # widest proposal (chain length or tree node count)
+    needs_target_hidden: bool  # the engine asks the target for hidden states when True
+
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        """KV pools this proposer needs (empty for model-free proposers)."""
+        ...
+
+    def propose(self, ctx: ProposeContext) -> DraftProposal: ...
+
+    def on_target_step(self, step: TargetStep) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Decides, per sequence, the longest draft prefix the target's distribution allows."""
+
+    def verify(
+        self,
+        target_logits: torch.Tensor,  # [batch, width + 1, vocab] float, row j predicts after draft j-1
+        proposal: DraftProposal,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> VerifyResult: ...
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns logits into the processed distribution and draws tokens from it."""
+
+    def probs(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> torch.Tensor:  # [rows, vocab] float, rows sum to 1
+        ...
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [rows, vocab]
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:  # [rows] int64
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Owns the request queue and decides which sequences run in each step."""
+
+    def add(self, request: object) -> None: ...
+
+    def schedule(self) -> object: ...
+
+    def abort(self, seq_id: int) -> None: ...
+
+    def has_unfinished(self) -> bool: ...

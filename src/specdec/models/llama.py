@@ -1,0 +1,297 @@
+"""Llama-family decoder (Llama, Llama 3, Qwen2, Mistral) over the paged KV cache.
+
+Parameter names follow Hugging Face's except for two fusions that cut the number of matrix
+products per layer on small batches: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate
+and up stacked). :mod:`specdec.models.loading` maps checkpoints onto them. The model holds only
+weights: the KV pages, the attention plan and the backend arrive as arguments of ``forward``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.interfaces import AttentionBackend, AttentionSpec
+from specdec.kv.paged import KVSpec, ModelKV
+from specdec.types import BatchLayout, ModelOutput
+
+__all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope"]
+
+
+class Architecture(enum.Enum):
+    LLAMA = "llama"
+    QWEN2 = "qwen2"
+    MISTRAL = "mistral"
+
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture.LLAMA,
+    "Qwen2ForCausalLM": Architecture.QWEN2,
+    "MistralForCausalLM": Architecture.MISTRAL,
+}
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a transformers config."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies (scaling already applied)
+    rope_attention_scaling: float
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf_config(cls, hf_config: object) -> ModelConfig:
+        """Read a transformers ``PretrainedConfig``; unsupported architectures raise ValueError."""
+        archs = tuple(getattr(hf_config, "architectures", None) or ())
+        model_type = getattr(hf_config, "model_type", None)
+        arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+        if arch is None and model_type in {a.value for a in Architecture}:
+            arch = Architecture(model_type)
+        if arch is None:
+            supported = ", ".join(sorted(_ARCHITECTURES))
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r}: specdec supports {supported}"
+            )
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        inv_freq, attention_scaling = _rope_parameters(hf_config)
+        qkv_bias = arch is Architecture.QWEN2 or bool(getattr(hf_config, "attention_bias", False))
+        window = getattr(hf_config, "sliding_window", None)
+        if arch is Architecture.QWEN2 and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
+        return cls(
+            architecture=arch,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None)
+            or hf_config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            qkv_bias=qkv_bias,
+            o_bias=arch is not Architecture.QWEN2 and bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_window=window,
+            inv_freq=tuple(inv_freq.tolist()),
+            rope_attention_scaling=float(attention_scaling),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_spec(self, name: str, dtype: torch.dtype) -> KVSpec:
+        return KVSpec(
+            name=name,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=dtype,
+        )
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            sm_scale=self.head_dim**-0.5,
+            sliding_window=self.sliding_window,
+        )
+
+
+def _rope_parameters(hf_config: object) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies exactly as transformers computes them (all RoPE scaling types)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if rope_type == "default":
+        theta = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}: allowed {sorted(ROPE_INIT_FUNCTIONS)}")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as transformers does, cast back to ``x.dtype``."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> torch.Tensor:
+    """Rotate-half RoPE (the Hugging Face Llama convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+        sin: torch.Tensor,
+        layer_kv: tuple[torch.Tensor, torch.Tensor],  # k, v pages [num_pages, page_size, Hkv, D]
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = backend.run(plan, q, k, v, layer_kv[0], layer_kv[1])
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, layer_kv, backend, plan):  # shapes as Attention.forward
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, backend, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """A Llama-family causal LM over paged KV.
+
+    Example:
+        >>> out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec),
+        ...             logits_indices=layout.last_row_indices)
+        >>> out.logits.shape  # [batch, vocab]
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[num_tokens, 1, head_dim]`` in the model dtype (computed in float32)."""
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.float()  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.config.rope_attention_scaling
+        return (
+            (emb.cos() * scale).to(self.dtype).unsqueeze(1),
+            (emb.sin() * scale).to(self.dtype).unsqueeze(1),
+        )
+
+    def hidden_states(
+        self,
+        embeds: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv: ModelKV,
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:  # [num_tokens, hidden], last layer output before the final norm
+        cos, sin = self.rope(positions)
+        h = embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv.layer(i), backend, plan)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept)."""
+        out = self.lm_head(self.norm(hidden))
+        return out if out.dtype == torch.float64 else out.float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        layout: BatchLayout,
+        kv: ModelKV,
+        backend: AttentionBackend,
+        plan: object,
+        *,
+        logits_indices: torch.Tensor | None = None,  # [rows] int64; None = every row
+        return_hidden: bool = False,
+    ) -> ModelOutput:
+        """Run the batch; logits only for ``logits_indices`` (prefill needs the last rows only)."""
+        h = self.hidden_states(self.embed_tokens(layout.token_ids), layout.positions, kv, backend, plan)
+        rows = h if logits_indices is None else h.index_select(0, logits_indices)
+        return ModelOutput(logits=self.logits(rows), hidden_states=h if return_hidden else None)

@@ -1,0 +1,210 @@
+"""Checkpoint loading: Hugging Face directories (safetensors, sharded or not), GGUF files, hub ids.
+
+Only safetensors are read (never pickles). Weights stream tensor by tensor into a model built
+on the meta device, so a checkpoint is never held twice in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from specdec.models.llama import LlamaModel, ModelConfig
+
+__all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``torch.bfloat16``/... -> torch dtype; anything else raises naming ``dtype``."""
+    if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or a floating torch.dtype, got {dtype!r}")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Parse ``device`` and check it exists here; raises ValueError naming ``device``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be like 'cpu' or 'cuda:0', got {device!r}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if dev.type not in {"cpu", "cuda"}:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
+def load_hf_config(path: str | Path) -> object:
+    """Read ``config.json`` of a model directory with transformers (JSON only)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model directory {str(path)!r}")
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (ValueError, OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {str(path / 'config.json')!r}: {err}") from err
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (KeyError, json.JSONDecodeError) as err:
+            raise ValueError(f"corrupt safetensors index {str(index)!r}: {err}") from err
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"no *.safetensors in {str(path)!r} (specdec loads safetensors only, never pickles)"
+            )
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"missing checkpoint shard {str(f)!r}")
+    return files
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"corrupt or unreadable checkpoint file {str(f)!r}: {err}") from err
+
+
+def _fuse_name(name: str) -> tuple[str, int, int] | None:
+    """Map an HF projection name to (fused name, part index, number of parts)."""
+    for part, (old, new, n) in enumerate(
+        (("q_proj", "qkv_proj", 3), ("k_proj", "qkv_proj", 3), ("v_proj", "qkv_proj", 3))
+    ):
+        if f".self_attn.{old}." in name:
+            return name.replace(old, new), part, n
+    for part, old in enumerate(("gate_proj", "up_proj")):
+        if f".mlp.{old}." in name:
+            return name.replace(old, "gate_up_proj"), part, 2
+    return None
+
+
+def model_from_state_dict(
+    cfg: ModelConfig,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaModel:
+    """Build a :class:`LlamaModel` from HF-named tensors, fusing q/k/v and gate/up on the way."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    expected = set(model.state_dict())
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for raw_name, tensor in tensors:
+        name = raw_name.removeprefix("model.")
+        if name.startswith("rotary_emb") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        tensor = tensor.to(device=device, dtype=dtype)
+        fused = _fuse_name(name)
+        if fused is None:
+            state[name] = tensor
+            continue
+        fused_name, part, n = fused
+        parts = pending.setdefault(fused_name, [None] * n)
+        parts[part] = tensor
+        if all(p is not None for p in parts):
+            state[fused_name] = torch.cat(parts, dim=0)
+            del pending[fused_name]
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    incomplete = sorted(pending)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if incomplete or missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match a {cfg.architecture.value} model: missing {missing[:5]}, "
+            f"incomplete {incomplete[:5]}, unexpected {unexpected[:5]}"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    source: str | Path,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaModel, object, Path]:
+    """Load ``source`` (HF directory, ``.gguf`` file, known name or hub id).
+
+    Returns ``(model, hf_config, model_dir)``; ``model_dir`` holds the tokenizer files.
+    """
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    path = _resolve_source(source)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, torch_dtype, torch_device)
+    hf_config = load_hf_config(path)
+    cfg = ModelConfig.from_hf_config(hf_config)
+    model = model_from_state_dict(
+        cfg, _read_safetensors(_safetensors_files(path)), dtype=torch_dtype, device=torch_device
+    )
+    return model, hf_config, path
+
+
+def _resolve_source(source: str | Path) -> Path:
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"model source must be a path or a name, got {type(source).__name__}")
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {str(source)!r} does not exist")
+    from specdec.hub import resolve_model
+
+    return Path(resolve_model(str(source)))
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object, Path]:
+    """Dequantize a GGUF file through transformers' GGUF reader (needs the ``gguf`` extra)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        raise ImportError("loading .gguf files needs the gguf extra: pip install 'specdec[gguf]'") from err
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    cfg = ModelConfig.from_hf_config(hf_config)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype, low_cpu_mem_usage=True
+    )
+    state = hf_model.state_dict()
+    del hf_model
+    model = model_from_state_dict(cfg, iter(state.items()), dtype=dtype, device=device)
+    return model, hf_config, path

@@ -1,0 +1,7 @@
+"""Proposers: draft models, prompt lookup, and the base for user-defined ones."""
+
+from specdec.proposers.base import TokenListProposer
+from specdec.proposers.draft_model import DraftModel
+from specdec.proposers.ngram import PromptLookup
+
+__all__ = ["DraftModel", "PromptLookup", "TokenListProposer"]

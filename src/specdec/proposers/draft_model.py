@@ -1,0 +1,119 @@
+"""Draft-model proposer: a small LLM of the same tokenizer drafts a chain of k tokens.
+
+The draft keeps its own KV pages (same page ids as the target, its own pool) and catches up
+lazily: each ``propose`` first runs the draft over every token it has not seen yet (the whole
+prompt on a sequence's first step, then the last step's bonus or recovered token, plus the
+k-th draft when all drafts were accepted), which yields the logits for draft token 1, and then
+takes k - 1 single-token steps. That is k draft forwards per step, the minimum, with the prefill
+folded into the first of them. Rollback is bookkeeping: after the target's step the draft's
+valid length is cut to the target's committed length, and stale slots are simply overwritten.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+
+from specdec.config import positive_int
+from specdec.interfaces import ProposeContext, TargetStep
+from specdec.kv.paged import KVSpec
+from specdec.models.llama import LlamaModel
+from specdec.models.loading import load_model
+from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs
+from specdec.types import DraftProposal, ProposalKind
+
+__all__ = ["DraftModel", "DraftModelConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class DraftModelConfig:
+    num_speculative_tokens: int = attrs.field(default=4, validator=positive_int)
+
+
+class DraftModel:
+    """Speculation with a smaller model of the same tokenizer.
+
+    Example:
+        >>> draft = DraftModel.from_pretrained("path/to/draft", num_speculative_tokens=4)
+        >>> gen = Generator.from_pretrained("path/to/target", proposer=draft)
+    """
+
+    kind = ProposalKind.CHAIN
+    needs_target_hidden = False
+
+    def __init__(self, model: LlamaModel, config: DraftModelConfig) -> None:
+        if not isinstance(model, LlamaModel):
+            raise TypeError(f"model must be a specdec LlamaModel, got {type(model).__name__}")
+        self.model = model
+        self.config = config
+        self._computed: dict[int, int] = {}  # seq_id -> slots of this sequence in the draft's KV
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        num_speculative_tokens: int = 4,
+        dtype: str | torch.dtype = "bfloat16",
+        device: str | torch.device = "cpu",
+    ) -> DraftModel:
+        model, _, _ = load_model(path, dtype=dtype, device=device)
+        return cls(model, DraftModelConfig(num_speculative_tokens=num_speculative_tokens))
+
+    @classmethod
+    def from_model(cls, model: LlamaModel, *, num_speculative_tokens: int = 4) -> DraftModel:
+        return cls(model, DraftModelConfig(num_speculative_tokens=num_speculative_tokens))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        return (self.model.config.kv_spec("draft", self.model.dtype),)
+
+    def propose(self, ctx: ProposeContext) -> DraftProposal:
+        k = ctx.num_speculative_tokens
+        spec = self.model.config.attention_spec
+        st = SamplingTensors.from_params(ctx.params, self.model.device)
+        all_greedy = all(p.is_greedy for p in ctx.params)
+        starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
+        rows = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
+        drafted: list[torch.Tensor] = []  # k x [batch] int64
+        probs: list[torch.Tensor] = []  # k x [batch, vocab]
+        for step in range(k):
+            layout = ctx.kv.layout(ctx.seq_ids, rows, starts, device=self.model.device)
+            plan = ctx.backend.plan(layout, spec)
+            logits = self.model(
+                layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices
+            ).logits  # [batch, vocab]
+            if all_greedy:
+                tokens = logits.argmax(dim=-1)
+            else:
+                step_probs = processed_probs(logits, st)  # one-hot rows for greedy requests
+                tokens = sample_from_probs(step_probs, ctx.generators)
+                probs.append(step_probs)
+            drafted.append(tokens)
+            starts = [s + len(r) for s, r in zip(starts, rows)]
+            if step + 1 < k:
+                rows = [[t] for t in tokens.tolist()]
+        for seq_id, start in zip(ctx.seq_ids, starts):
+            self._computed[seq_id] = start
+        draft_token_ids = torch.stack(drafted, dim=1)  # [batch, k]
+        return DraftProposal(
+            kind=ProposalKind.CHAIN,
+            draft_token_ids=draft_token_ids,
+            num_draft_tokens=(k,) * len(ctx.seq_ids),
+            draft_probs=torch.stack(probs, dim=1) if probs else None,  # [batch, k, vocab]
+        )
+
+    def on_target_step(self, step: TargetStep) -> None:
+        # The draft's KV is valid up to the first slot that differs from the committed history:
+        # everything before the newly emitted last token.
+        for seq_id, tokens in zip(step.seq_ids, step.token_ids):
+            if seq_id in self._computed:
+                self._computed[seq_id] = min(self._computed[seq_id], len(tokens) - 1)
+
+    def release(self, seq_id: int) -> None:
+        self._computed.pop(seq_id, None)

@@ -1,0 +1,121 @@
+"""One generation request's mutable state: tokens, progress, stop detection, result."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from specdec.config import SamplingParams
+from specdec.metrics import SpecMetrics
+
+__all__ = ["Request", "RequestStatus", "FinishReason", "TokenLogprob"]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens or the context limit
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@attrs.frozen
+class TokenLogprob:
+    """An emitted token's log-probability under the target's processed distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the top-n (token id, logprob) alternatives
+
+
+@attrs.define(eq=False)
+class Request:
+    """A request inside the engine. ``token_ids`` = prompt + output; the target's KV holds
+    the first ``num_computed`` of them (the rest are run by the next target pass)."""
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # context limit: generation stops with LENGTH at this many tokens
+    decode: Callable[[Sequence[int]], str] | None = None  # for stop strings
+    token_ids: list[int] = attrs.field(init=False)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: BaseException | None = None
+    stop_text_len: int | None = None  # output text is cut here when a stop string matched
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
+    arrival: int = 0
+    _checked_text_len: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def remaining(self) -> int:
+        """How many more tokens this request may emit."""
+        return min(
+            self.params.max_new_tokens - self.num_output, self.max_total_tokens - len(self.token_ids)
+        )
+
+    def append(self, tokens: Sequence[int]) -> int:
+        """Append emitted tokens one by one, stopping exactly where plain decoding would.
+
+        Returns how many of ``tokens`` were kept; sets ``finish_reason`` when one ends the
+        request (the caller then finishes it and releases its pages).
+        """
+        kept = 0
+        for tok in tokens:
+            self.token_ids.append(int(tok))
+            kept += 1
+            reason = self._stop_reason(int(tok))
+            if reason is not None:
+                self.finish_reason = reason
+                break
+        return kept
+
+    def _stop_reason(self, tok: int) -> FinishReason | None:
+        p = self.params
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and self.decode is not None and self._match_stop_string():
+            return FinishReason.STOP
+        if self.num_output >= p.max_new_tokens or len(self.token_ids) >= self.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _match_stop_string(self) -> bool:
+        # Search only where a match could newly end: from just before the text already checked
+        # (a stop string may straddle the old end), so the cost per token stays bounded.
+        text = self.decode(self.output_ids)
+        longest = max(len(s) for s in self.params.stop)
+        tail_start = max(0, self._checked_text_len - longest + 1)
+        self._checked_text_len = len(text)
+        hits = [text.find(s, tail_start) for s in self.params.stop]
+        hits = [h for h in hits if h >= 0]
+        if not hits:
+            return False
+        self.stop_text_len = min(hits)
+        return True

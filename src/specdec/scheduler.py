@@ -1,0 +1,137 @@
+"""Request queue and continuous batching under a KV page budget.
+
+Each step the scheduler keeps every running request in the batch, admits waiting requests
+(FIFO) while pages and the batch size allow, and reserves the KV slots the step will write.
+A step that admits new requests is *mixed* (ordinary sampling for all); otherwise it is
+decode-only and may speculate ``lookahead`` tokens. When pages run out for running requests,
+the newest is preempted: its pages are freed and it waits at the head of the queue, keeping its
+tokens, so its prefix is recomputed when it is admitted again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from specdec.kv.allocator import OutOfPages
+from specdec.kv.paged import KVCacheManager
+from specdec.request import FinishReason, Request, RequestStatus
+
+__all__ = ["ScheduledBatch", "BatchScheduler"]
+
+
+@attrs.frozen(eq=False)
+class ScheduledBatch:
+    """The requests of one step; ``decode_only`` steps may speculate ``lookahead`` tokens."""
+
+    requests: tuple[Request, ...]
+    decode_only: bool
+    lookahead: int
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+class BatchScheduler:
+    """FIFO continuous batching with page-budget admission and newest-first preemption."""
+
+    def __init__(self, kv: KVCacheManager, *, max_batch_size: int, max_prefill_tokens: int) -> None:
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    def add(self, request: Request) -> None:
+        request.arrival = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    def schedule(self, lookahead: int) -> ScheduledBatch:
+        """Pick this step's requests and reserve their KV slots."""
+        preempted: list[Request] = []
+        admitted = self._admit()
+        step_lookahead = 0 if admitted else lookahead
+        while True:
+            try:
+                for req in self.running:
+                    self.kv.reserve(req.seq_id, len(req.token_ids) + step_lookahead)
+                break
+            except OutOfPages:
+                if step_lookahead > 0:
+                    step_lookahead = 0  # first give up speculation, then preempt
+                    continue
+                if len(self.running) <= 1:
+                    raise
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim)
+                preempted.append(victim)
+                admitted = [r for r in admitted if r is not victim]
+        decode_only = not admitted and all(
+            r.num_computed == len(r.token_ids) - 1 for r in self.running
+        )
+        return ScheduledBatch(
+            requests=tuple(self.running),
+            decode_only=decode_only,
+            lookahead=step_lookahead if decode_only else 0,
+            preempted=tuple(preempted),
+        )
+
+    def _admit(self) -> list[Request]:
+        admitted: list[Request] = []
+        budget = self.max_prefill_tokens
+        # Keep one page of headroom per running request so admission does not starve decodes.
+        headroom = len(self.running)
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            need = len(req.token_ids)
+            if admitted and need > budget:
+                break
+            self.kv.add_sequence(req.seq_id)
+            if self.kv.pages_needed(req.seq_id, need) + headroom > self.kv.allocator.num_free_pages:
+                self.kv.free(req.seq_id)
+                break
+            self.kv.reserve(req.seq_id, need)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.append(req)
+            budget -= need
+            headroom += 1
+        return admitted
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.seq_id)
+        req.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: FinishReason | None = None) -> None:
+        """Take ``req`` out of the queue or the batch and free all its pages at once."""
+        if reason is not None:
+            req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.kv.has_sequence(req.seq_id):
+            self.kv.free(req.seq_id)
+        req.status = RequestStatus.FINISHED
+
+    def abort(self, seq_id: int) -> None:
+        for req in self.requests():
+            if req.seq_id == seq_id:
+                self.finish(req, FinishReason.CANCELLED)
+                return
+        raise KeyError(f"seq_id {seq_id} is not waiting or running")

@@ -1,0 +1,298 @@
+"""Chain verification: greedy identity and the lossless rejection-sampling rule.
+
+Verify row ``j`` of a sequence's target rows is the target's prediction after draft token
+``j - 1`` (row 0 follows the last emitted token), so a sequence with ``n`` drafts uses rows
+``0 .. n``: rows ``0 .. n-1`` judge the drafts, row ``n`` gives the bonus token when all ``n``
+are accepted.
+
+The sampled rule (Leviathan et al. 2023; Chen et al. 2023) accepts draft ``x`` at row ``j``
+with probability ``min(1, target_j(x) / draft_j(x))``; at the first rejection the recovered
+token is drawn from ``normalize(max(target_j - draft_j, 0))``; after ``n`` acceptances the
+bonus token is drawn from ``target_n``. Every emitted token is then distributed exactly as
+if drawn from the target alone.
+
+Example:
+    >>> num_accepted, emitted = greedy_verify(target_logits, draft_token_ids, (3, 0))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.sampling import SamplingTensors, draw_uniforms, inverse_cdf, processed_probs
+from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, VerifyResult
+
+__all__ = [
+    "ChainVerifier",
+    "acceptance_probability",
+    "greedy_verify",
+    "rejection_verify",
+    "residual_distribution",
+]
+
+
+def _draft_counts(
+    num_draft_tokens: Sequence[int] | torch.Tensor, batch: int, width: int
+) -> tuple[int, ...]:
+    counts = (
+        tuple(num_draft_tokens.tolist())
+        if isinstance(num_draft_tokens, torch.Tensor)
+        else tuple(int(n) for n in num_draft_tokens)
+    )
+    if len(counts) != batch:
+        raise ValueError(f"num_draft_tokens has {len(counts)} entries for a batch of {batch}")
+    if any(n < 0 or n > width for n in counts):
+        raise ValueError(f"num_draft_tokens must lie in 0..{width}, got {counts}")
+    return counts
+
+
+def _check_chain_shapes(target: torch.Tensor, draft_token_ids: torch.Tensor) -> None:
+    if target.dim() != 3:
+        raise ValueError(f"target must be [batch, width + 1, vocab], got {tuple(target.shape)}")
+    if draft_token_ids.dim() != 2 or draft_token_ids.shape != (
+        target.shape[0],
+        target.shape[1] - 1,
+    ):
+        raise ValueError(
+            f"draft_token_ids must be [batch, width] = {(target.shape[0], target.shape[1] - 1)}, "
+            f"got {tuple(draft_token_ids.shape)}"
+        )
+
+
+def _prefix_length(
+    accepted: torch.Tensor,  # [batch, width] bool
+) -> torch.Tensor:  # [batch] int64
+    """Length of the all-True prefix of each row: drafts after a rejection never count."""
+    return torch.cumprod(accepted.to(torch.int64), dim=-1).sum(dim=-1)
+
+
+def _emitted(
+    draft_token_ids: torch.Tensor,  # [batch, width] int64
+    num_accepted: torch.Tensor,  # [batch] int64
+    final_token: torch.Tensor,  # [batch] int64, recovered or bonus
+) -> torch.Tensor:  # [batch, width + 1] int64, PAD_TOKEN_ID padded
+    """The accepted drafts followed by the final token, padded."""
+    batch, width = draft_token_ids.shape
+    positions = torch.arange(width + 1, device=draft_token_ids.device)  # [width + 1]
+    pad = torch.full((batch, 1), PAD_TOKEN_ID, dtype=torch.int64, device=draft_token_ids.device)
+    drafts = torch.cat([draft_token_ids.to(torch.int64), pad], dim=1)  # [batch, width + 1]
+    emitted = torch.where(positions < num_accepted[:, None], drafts, PAD_TOKEN_ID)
+    return emitted.scatter_(1, num_accepted[:, None], final_token[:, None])
+
+
+def greedy_verify(
+    target_logits: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts while they equal the target's argmax; no randomness.
+
+    Args:
+        target_logits: ``[batch, width + 1, vocab]`` float, row ``j`` after draft ``j - 1``.
+        draft_token_ids: ``[batch, width]`` int64, ``PAD_TOKEN_ID`` past each sequence's drafts.
+        num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
+
+    Returns:
+        ``num_accepted`` ``[batch]`` int64 and ``emitted`` ``[batch, width + 1]`` int64: the
+        accepted drafts, then the argmax of the first mismatching row (recovered) or of row
+        ``n`` (bonus), then ``PAD_TOKEN_ID``.
+
+    Example:
+        >>> logits = torch.full((1, 3, 4), -100.0); logits[0, [0, 1, 2], [2, 3, 1]] = 100.0
+        >>> greedy_verify(logits, torch.tensor([[2, 0]]), (2,))
+        (tensor([1]), tensor([[ 2,  3, -1]]))
+    """
+    _check_chain_shapes(target_logits, draft_token_ids)
+    batch, width = draft_token_ids.shape
+    counts = _draft_counts(num_draft_tokens, batch, width)
+    device = target_logits.device
+    n = torch.tensor(counts, dtype=torch.int64, device=device)  # [batch]
+    target_tokens = target_logits.argmax(dim=-1)  # [batch, width + 1] int64
+    positions = torch.arange(width, device=device)  # [width]
+    matches = (draft_token_ids == target_tokens[:, :width]) & (positions < n[:, None])
+    num_accepted = _prefix_length(matches)  # [batch]
+    final_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+    return num_accepted, _emitted(draft_token_ids, num_accepted, final_token)
+
+
+def acceptance_probability(
+    target_at_draft: torch.Tensor,  # [...] target probability of each draft token
+    draft_at_draft: torch.Tensor,  # [...] draft probability of each draft token
+) -> torch.Tensor:  # [...] in [0, 1]
+    """``min(1, target / draft)``; 0 wherever the target gives the token no probability.
+
+    A token the draft could not have drawn (``draft == 0``) is accepted if the target allows
+    it; a token the target forbids is never accepted, whatever the draft said.
+    """
+    tiny = torch.finfo(draft_at_draft.dtype).tiny
+    ratio = (target_at_draft / draft_at_draft.clamp_min(tiny)).clamp(max=1.0)
+    return torch.where(target_at_draft > 0, ratio, 0.0)
+
+
+def residual_distribution(
+    target_row: torch.Tensor,  # [batch, vocab] float, target distribution
+    draft_row: torch.Tensor,  # [batch, vocab] float, draft distribution (zeros: none)
+) -> torch.Tensor:  # [batch, vocab] float, rows sum to 1
+    """``normalize(max(target - draft, 0))``, falling back to ``target`` where that is all 0.
+
+    Mathematically the residual of a rejection is never all zero (a rejection needs
+    ``target(x) < draft(x)`` somewhere, hence ``target > draft`` somewhere else); the fallback
+    covers round-off when target and draft agree to the last bit on the kept tokens. A zero
+    ``draft_row`` returns ``target_row`` itself (the bonus case).
+    """
+    residual = (target_row - draft_row).clamp_min(0.0)  # [batch, vocab]
+    total = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    degenerate = total <= 0
+    return torch.where(degenerate, target_row, residual / torch.where(degenerate, 1.0, total))
+
+
+def rejection_verify(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int] | torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lossless speculative-sampling rule, vectorised over sequences and positions.
+
+    Each sequence draws ``n + 1`` uniforms from its generator in one call: ``n`` for the
+    acceptance tests, one for the recovered or bonus token (so a seed reproduces the step).
+
+    Args:
+        target_probs: ``[batch, width + 1, vocab]`` float, the target's processed distribution
+            per verify row.
+        draft_probs: ``[batch, width, vocab]`` float, the processed distribution each draft was
+            drawn from; ``None`` for one-hot (deterministic) drafts, which are accepted with
+            probability ``target_j(x)`` and leave ``target_j`` without ``x`` as the residual.
+        draft_token_ids: ``[batch, width]`` int64, ``PAD_TOKEN_ID`` past each sequence's drafts.
+        num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
+        generators: one per sequence; ``None`` uses the default RNG.
+
+    Returns:
+        ``num_accepted`` ``[batch]`` int64 and ``emitted`` ``[batch, width + 1]`` int64
+        (accepted drafts, recovered or bonus token, ``PAD_TOKEN_ID``).
+
+    Example:
+        >>> num_accepted, emitted = rejection_verify(target_probs, draft_probs, ids, (4, 2), gens)
+    """
+    _check_chain_shapes(target_probs, draft_token_ids)
+    batch, width = draft_token_ids.shape
+    if draft_probs is not None and draft_probs.shape != (batch, width, target_probs.shape[2]):
+        raise ValueError(
+            f"draft_probs must be [batch, width, vocab] = {(batch, width, target_probs.shape[2])}, "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    if len(generators) != batch:
+        raise ValueError(f"got {len(generators)} generators for a batch of {batch}")
+    counts = _draft_counts(num_draft_tokens, batch, width)
+    device = target_probs.device
+    n = torch.tensor(counts, dtype=torch.int64, device=device)  # [batch]
+    rows = torch.arange(batch, device=device)  # [batch]
+    positions = torch.arange(width, device=device)  # [width]
+    is_draft = positions < n[:, None]  # [batch, width] bool
+
+    # Uniforms come laid out per sequence as [test_0 .. test_{n-1}, final].
+    uniforms = draw_uniforms(generators, [c + 1 for c in counts], device)  # [sum(n + 1)] float64
+    is_final = torch.zeros(uniforms.shape[0], dtype=torch.bool, device=device)
+    is_final[torch.cumsum(n + 1, dim=0) - 1] = True
+    test_uniforms = torch.ones(batch, width, dtype=torch.float64, device=device)
+    test_uniforms[is_draft] = uniforms[~is_final]  # row-major order matches the layout
+    final_uniforms = uniforms[is_final]  # [batch]
+
+    draft_ids = draft_token_ids.clamp_min(0)[..., None]  # [batch, width, 1], PAD -> 0 for gathers
+    target_at_draft = target_probs[:, :width].gather(2, draft_ids).squeeze(2)  # [batch, width]
+    if draft_probs is None:
+        draft_at_draft = torch.ones_like(target_at_draft)  # [batch, width]
+    else:
+        draft_probs = draft_probs.to(target_probs.dtype)
+        draft_at_draft = draft_probs.gather(2, draft_ids).squeeze(2)  # [batch, width]
+    accept = test_uniforms < acceptance_probability(target_at_draft, draft_at_draft)
+    num_accepted = _prefix_length(accept & is_draft)  # [batch]
+
+    final_row = target_probs[rows, num_accepted]  # [batch, vocab]
+    if width > 0:
+        rejected = (num_accepted < n)[:, None]  # [batch, 1] bool; else the bonus row
+        judged = num_accepted.clamp(max=width - 1)  # [batch], the rejecting row if any
+        if draft_probs is None:
+            draft_row = torch.zeros_like(final_row).scatter_(1, draft_ids[rows, judged], 1.0)
+        else:
+            draft_row = draft_probs[rows, judged]  # [batch, vocab]
+        final_row = residual_distribution(final_row, torch.where(rejected, draft_row, 0.0))
+    final_token = inverse_cdf(final_row, final_uniforms)  # [batch]
+    return num_accepted, _emitted(draft_token_ids, num_accepted, final_token)
+
+
+def _row_index(rows: list[int], batch: int, device: torch.device) -> slice | torch.Tensor:
+    """Index of ``rows`` in a batch: a plain slice (a view, no copy) when it is all of them."""
+    if len(rows) == batch:
+        return slice(None)
+    return torch.tensor(rows, dtype=torch.int64, device=device)  # [len(rows)]
+
+
+class ChainVerifier:
+    """The default :class:`~specdec.interfaces.Verifier` for chain proposals.
+
+    Greedy sequences (temperature 0) are verified by token identity (:func:`greedy_verify`),
+    consuming no randomness, so speculative greedy output equals plain greedy output token for
+    token. Sampled sequences go through :func:`processed_probs` and :func:`rejection_verify`.
+    Both kinds may share one batch.
+
+    Example:
+        >>> result = ChainVerifier().verify(target_logits, proposal, params, generators)
+        >>> result.num_accepted, result.emitted_token_ids
+    """
+
+    def verify(
+        self,
+        target_logits: torch.Tensor,  # [batch, width + 1, vocab] float
+        proposal: DraftProposal,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> VerifyResult:
+        if proposal.kind is not ProposalKind.CHAIN:
+            raise ValueError(f"ChainVerifier verifies CHAIN proposals, got {proposal.kind}")
+        batch, width = proposal.batch_size, proposal.width
+        _check_chain_shapes(target_logits, proposal.draft_token_ids)
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(
+                f"need one SamplingParams and one generator per sequence ({batch}), "
+                f"got {len(params)} and {len(generators)}"
+            )
+        counts = _draft_counts(proposal.num_draft_tokens, batch, width)
+        device = target_logits.device
+        num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]
+        emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
+
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy:
+            idx = _row_index(greedy, batch, device)
+            num_accepted[idx], emitted[idx] = greedy_verify(
+                target_logits[idx], proposal.draft_token_ids[idx], [counts[i] for i in greedy]
+            )
+        if sampled:
+            idx = _row_index(sampled, batch, device)
+            vocab = target_logits.shape[2]
+            st = SamplingTensors.from_params([params[i] for i in sampled], device)
+            target_probs = processed_probs(
+                target_logits[idx].reshape(-1, vocab), st.repeat_rows(width + 1)
+            ).reshape(len(sampled), width + 1, vocab)  # [num_sampled, width + 1, vocab]
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[idx]
+            num_accepted[idx], emitted[idx] = rejection_verify(
+                target_probs,
+                draft_probs,
+                proposal.draft_token_ids[idx],
+                [counts[i] for i in sampled],
+                [generators[i] for i in sampled],
+            )
+
+        rows = torch.arange(width + 1, device=device).expand(batch, width + 1)  # [batch, width + 1]
+        accepted_rows = torch.where(rows <= num_accepted[:, None], rows, PAD_TOKEN_ID)
+        return VerifyResult(
+            num_accepted=tuple(num_accepted.tolist()),  # host copy: the engine commits by it
+            emitted_token_ids=emitted,
+            accepted_rows=accepted_rows,
+        )

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random HF checkpoints (saved as safetensors) and the bundled stories260K."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tiny models run faster on one thread, and a second OpenMP thread spins against whatever else
+# shares the 2-core machine (other test processes, a benchmark): keep tests single-threaded.
+torch.set_num_threads(1)
+
+STORIES = Path(__file__).resolve().parents[1] / "src" / "specdec" / "data" / "stories260K"
+
+TINY_CONFIGS = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    ),
+    "llama3": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=97,
+        max_position_embeddings=512,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=103,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=89,
+        max_position_embeddings=256,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def make_hf_model(kind: str, seed: int = 0, **overrides):
+    """A random transformers model of a tiny config, float64, with non-trivial biases/norms."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(TINY_CONFIGS[kind], **overrides)
+    model_type = kwargs.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))  # sharper logits than the 0.02 init
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: kind -> directory with config.json + model.safetensors of a tiny random model."""
+    cache: dict[tuple[str, int], Path] = {}
+
+    def build(kind: str, seed: int = 0) -> Path:
+        if (kind, seed) not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{kind}-{seed}")
+            make_hf_model(kind, seed).save_pretrained(path, safe_serialization=True)
+            cache[(kind, seed)] = path
+        return cache[(kind, seed)]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    return STORIES

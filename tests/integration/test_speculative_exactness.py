@@ -1,0 +1,174 @@
+"""Speculative greedy output equals plain greedy output, token for token, for every proposer."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from specdec import CacheConfig, Generator, SamplingParams
+from specdec.models.loading import load_model
+from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of ``model`` with noisy weights: a draft that agrees often but not always."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 30, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_checkpoint):
+    target, _, _ = load_model(tiny_checkpoint("qwen2"), dtype="float64")
+    return target, perturbed(target, 0.3, seed=5)
+
+
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_draft_model_greedy_exact_tiny_float64(tiny_pair, k):
+    target, draft = tiny_pair
+    prompts = _prompts(target.config.vocab_size, 5, seed=k)
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=k))
+    spec = gen.generate(prompts, GREEDY)  # one batch of mixed lengths
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    m = gen.metrics
+    assert 0 < m.num_accepted < m.num_drafted  # the draft really disagrees sometimes
+    assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_prompt_lookup_greedy_exact_tiny_float64(tiny_pair, k):
+    target, _ = tiny_pair
+    base = _prompts(target.config.vocab_size, 4, seed=10 + k)
+    prompts = [p + p + p for p in base]  # repetitive prompts give lookup something to find
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    gen = Generator.from_components(target, proposer=PromptLookup(num_speculative_tokens=k))
+    spec = gen.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert gen.metrics.num_drafted > 0
+
+
+def test_draft_model_greedy_exact_stories_float32(stories_path):
+    target, _, _ = load_model(stories_path, dtype="float32")
+    draft = perturbed(target, 0.15, seed=1)
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They", "Mom said"]
+    plain_gen = Generator.from_pretrained(stories_path, dtype="float32")
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    plain = plain_gen.generate(prompts, params)
+    for k in (2, 4, 6):
+        gen = Generator.from_components(
+            target, plain_gen.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=k)
+        )
+        spec = gen.generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert 0.1 < gen.metrics.acceptance_rate < 1.0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_identical_draft_is_fully_accepted(tiny_pair, temperature):
+    target, _ = tiny_pair
+    k = 4
+    gen = Generator.from_components(target, proposer=DraftModel.from_model(target, num_speculative_tokens=k))
+    # 1 token from prefill, then whole steps of k + 1: no step is cut by max_new_tokens.
+    params = [
+        SamplingParams(max_new_tokens=1 + 6 * (k + 1), temperature=temperature, seed=i, ignore_eos=True)
+        for i in range(3)
+    ]
+    gen.generate(_prompts(target.config.vocab_size, 3, seed=0), params)
+    assert gen.metrics.acceptance_rate == 1.0
+    assert gen.metrics.mean_accepted_length == k + 1
+
+
+def test_batch_matches_each_sequence_alone(tiny_pair):
+    target, draft = tiny_pair
+    prompts = _prompts(target.config.vocab_size, 6, seed=3)
+    make = lambda: Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=3))  # noqa: E731
+    batched = make().generate(prompts, GREEDY)
+    for p, out in zip(prompts, batched):
+        assert make().generate(p, GREEDY).token_ids == out.token_ids
+
+
+def test_greedy_requests_exact_inside_a_sampled_batch(tiny_pair):
+    target, draft = tiny_pair
+    prompts = _prompts(target.config.vocab_size, 6, seed=4)
+    params = [
+        GREEDY if i % 2 == 0 else SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+        for i in range(6)
+    ]
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4))
+    mixed = gen.generate(prompts, params)
+    for i in range(0, 6, 2):
+        assert mixed[i].token_ids == plain[i].token_ids
+    for i in range(1, 6, 2):
+        assert len(mixed[i].token_ids) == 40
+
+
+class EveryOtherRepeat(TokenListProposer):
+    """A user-defined proposer living in the test module: guesses the last token repeats."""
+
+    def draft(self, token_ids: Sequence[int], k: int) -> list[int]:
+        return [token_ids[-1]] * k if len(token_ids) % 2 else []
+
+
+def test_user_defined_proposer_plugs_in(tiny_pair):
+    target, _ = tiny_pair
+    prompts = _prompts(target.config.vocab_size, 3, seed=6)
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    gen = Generator.from_components(target, proposer=EveryOtherRepeat(num_speculative_tokens=3))
+    assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    assert gen.metrics.num_drafted > 0
+
+
+def test_logprobs_identical_with_and_without_speculation(stories_path):
+    target, _, _ = load_model(stories_path, dtype="float32")
+    draft = perturbed(target, 0.15, seed=2)
+    params = SamplingParams(max_new_tokens=40, logprobs=3, ignore_eos=True)
+    plain = Generator.from_pretrained(stories_path, dtype="float32")
+    spec = Generator.from_components(
+        target, plain.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=4)
+    )
+    a = plain.generate("Once upon a time", params)
+    b = spec.generate("Once upon a time", params)
+    assert a.token_ids == b.token_ids
+    assert len(a.logprobs) == len(b.logprobs) == 40
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.token_id == y.token_id
+        assert abs(x.logprob - y.logprob) < 1e-5
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
+
+
+def test_stop_string_inside_accepted_draft(stories_path):
+    target, _, _ = load_model(stories_path, dtype="float32")
+    plain = Generator.from_pretrained(stories_path, dtype="float32")
+    free = plain.generate("Once upon a time", SamplingParams(max_new_tokens=60, ignore_eos=True))
+    stop = free.text[25:31]  # a string the plain output reaches mid-way
+    params = SamplingParams(max_new_tokens=60, stop=stop, ignore_eos=True)
+    # An identical draft accepts everything, so the stop string lands inside an accepted draft.
+    spec = Generator.from_components(
+        target, plain.tokenizer, proposer=DraftModel.from_model(target, num_speculative_tokens=6),
+        cache_config=CacheConfig(page_size=4),
+    )
+    a = plain.generate("Once upon a time", params)
+    b = spec.generate("Once upon a time", params)
+    assert a.text == b.text == free.text[: free.text.find(stop)]
+    assert a.token_ids == b.token_ids
+    assert a.finish_reason == b.finish_reason == "stop"
+    assert spec.metrics.num_accepted > 0
+    assert spec.kv_stats()["num_free_pages"] == spec.kv_stats()["num_total_pages"]
