@@ -30,6 +30,13 @@ def non_negative_int(instance: object, attribute: attrs.Attribute, value: object
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
+def seed_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: an ``int`` in [0, 2**64), the range ``torch.Generator.manual_seed`` takes."""
+    non_negative_int(instance, attribute, value)
+    if value >= 2**64:
+        raise ValueError(f"{attribute.name} must be < 2**64, got {value}")
+
+
 def optional(validator):
     """Validator combinator: ``None`` passes, anything else goes to ``validator``."""
 
@@ -113,7 +120,7 @@ class SamplingParams:
     top_k: int = attrs.field(default=0, validator=non_negative_int)
     top_p: float = attrs.field(default=1.0, validator=unit_interval_open_closed)
     min_p: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
-    seed: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    seed: int | None = attrs.field(default=None, validator=optional(seed_int))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_to_int_tuple, validator=_token_ids

@@ -66,14 +66,7 @@ class Generator:
     ) -> None:
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
-        if proposer is not None and not isinstance(proposer, Proposer):
-            raise TypeError(
-                f"proposer must implement specdec.interfaces.Proposer, got {type(proposer).__name__}"
-            )
-        if verifier is not None and not isinstance(verifier, Verifier):
-            raise TypeError(
-                f"verifier must implement specdec.interfaces.Verifier, got {type(verifier).__name__}"
-            )
+        _check_components(proposer, verifier, cache_config)
         cache_config = cache_config or CacheConfig()
         self.target = target
         self.tokenizer = tokenizer
@@ -128,6 +121,7 @@ class Generator:
         cache_config: CacheConfig | None = None,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer."""
+        _check_components(proposer, None, cache_config)  # before the (slow) load
         model, _, path = load_model(target, dtype=dtype, device=device)
         tokenizer = load_tokenizer(path)
         return cls(
@@ -186,12 +180,17 @@ class Generator:
         return outs[0] if single else outs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one prompt's completion as tokens are emitted."""
+        """Yield text deltas of one prompt's completion as tokens are emitted.
+
+        Bad input raises here, at the call, not at the first ``next()``.
+        """
         single, prompt_list = _normalize_prompts(prompt)
         if not single:
             raise TypeError("stream() takes one prompt (a string or a list of token ids)")
         params = _check_params(params)
-        req = self._make_request(prompt_list[0], params)
+        return self._stream(self._make_request(prompt_list[0], params))
+
+    def _stream(self, req: Request) -> Iterator[str]:
         sent = ""
         try:
             self._submit([req])
@@ -229,6 +228,8 @@ class Generator:
 
     # -------------------------------------------------------------- internals
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt must not be empty (got the empty string)")
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt must not be empty (it encodes to zero tokens)")
@@ -241,14 +242,15 @@ class Generator:
                 f"prompt may have at most {self.max_context - 1}"
             )
         max_total = min(self.max_context, len(ids) + params.max_new_tokens)
-        if max_total + self.engine.num_speculative_tokens + 1 > self.max_seq_slots or (
-            self.kv.allocator.num_total_pages * self.kv.page_size
-            < max_total + self.engine.num_speculative_tokens + 1
-        ):
+        # A sequence needs its tokens plus k + 1 verify slots, within both the per-sequence
+        # limit and the whole page pool.
+        slots = min(self.max_seq_slots, self.kv.allocator.num_total_pages * self.kv.page_size)
+        capacity = slots - self.engine.num_speculative_tokens - 1
+        if max_total > capacity:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the KV cache's per-sequence capacity ({self.max_seq_slots - self.engine.num_speculative_tokens - 1} "
-                "tokens); raise CacheConfig(max_num_tokens=...)"
+                f"the KV cache's per-sequence capacity ({capacity} tokens); raise "
+                "CacheConfig(max_num_tokens=...) or CacheConfig(num_pages=...)"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop needs a tokenizer; use stop_token_ids instead")
@@ -314,13 +316,35 @@ def _normalize_prompts(prompts: object) -> tuple[bool, list[Prompt]]:
         if all(isinstance(p, str) for p in prompts):
             return False, list(prompts)
         if all(
-            isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p) for p in prompts
+            isinstance(p, (list, tuple))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            for p in prompts
         ):
             return False, [list(p) for p in prompts]
     raise TypeError(
         "prompts must be a string, a list of token ids, or a list of either, "
         f"got {type(prompts).__name__}"
     )
+
+
+def _check_components(
+    proposer: object, verifier: object, cache_config: object
+) -> None:
+    """TypeError/ValueError naming the argument, before anything is built or loaded."""
+    if proposer is not None:
+        if not isinstance(proposer, Proposer):
+            raise TypeError(
+                f"proposer must implement specdec.interfaces.Proposer, got {type(proposer).__name__}"
+            )
+        k = proposer.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"proposer.num_speculative_tokens must be an int >= 1, got {k!r}")
+    if verifier is not None and not isinstance(verifier, Verifier):
+        raise TypeError(
+            f"verifier must implement specdec.interfaces.Verifier, got {type(verifier).__name__}"
+        )
+    if cache_config is not None and not isinstance(cache_config, CacheConfig):
+        raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
 
 
 def _check_params(params: SamplingParams | None) -> SamplingParams:

@@ -60,7 +60,7 @@ class SamplingTensors:
     """
 
     params: tuple[SamplingParams, ...]  # host copy, one per row
-    temperature: torch.Tensor  # [rows] float64, 1.0 on greedy rows (never divides there)
+    temperature: torch.Tensor  # [rows] float64, 1.0 on greedy rows (their one-hot ignores it)
     top_k: torch.Tensor  # [rows] int64, 0 = off
     top_p: torch.Tensor  # [rows] float64, 1.0 = off
     min_p: torch.Tensor  # [rows] float64, 0.0 = off

@@ -172,3 +172,23 @@ def test_stop_string_inside_accepted_draft(stories_path):
     assert a.finish_reason == b.finish_reason == "stop"
     assert spec.metrics.num_accepted > 0
     assert spec.kv_stats()["num_free_pages"] == spec.kv_stats()["num_total_pages"]
+
+
+@pytest.mark.skipif(not __import__("specdec.kernels.cpu_linear", fromlist=["x"]).kernel_available(), reason="no CPU kernel")
+def test_bf16_packed_speculation_is_exact(stories_path):
+    """With packed bf16 weights, a verify row computes exactly what decoding computes."""
+    target, _, _ = load_model(stories_path, dtype="bfloat16", pack=True)
+    draft, _, _ = load_model(stories_path, dtype="bfloat16", pack=False)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn_like(p))
+    from specdec.models.packed import pack_linears
+
+    pack_linears(draft)
+    prompts = [[1, 403, 407, 261, 378], [1, 365, 1100 % 512, 263]]
+    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    plain = Generator.from_components(target).generate(prompts, params)
+    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4))
+    spec = gen.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert gen.metrics.num_accepted > 0

@@ -132,15 +132,18 @@ class TorchAttentionBackend:
             queries = padded.index_copy_(0, plan.q_scatter, q).view(
                 batch, max_q, spec.num_qo_heads, spec.head_dim
             )
+        # Attend in float32: softmax and the value sum then round once, and a row's result does
+        # not depend on how many rows share the pass (bf16 kernels block differently per shape).
+        compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),  # [batch, Hq, max_q, D]
-            keys,
-            values,
+            queries.transpose(1, 2).to(compute),  # [batch, Hq, max_q, D]
+            keys.to(compute),
+            values.to(compute),
             attn_mask=plan.mask,
             scale=spec.sm_scale,
             enable_gqa=spec.num_qo_heads != spec.num_kv_heads,
         )
-        out = out.transpose(1, 2).reshape(batch * max_q, spec.num_qo_heads, spec.head_dim)
+        out = out.to(q.dtype).transpose(1, 2).reshape(batch * max_q, spec.num_qo_heads, spec.head_dim)
         return out if plan.q_scatter is None else out[plan.q_scatter]
 
 

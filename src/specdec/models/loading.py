@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specdec.models.llama import LlamaModel, ModelConfig
+from specdec.models.packed import pack_linears, should_pack
 
 __all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
 
@@ -47,6 +48,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"device must be like 'cpu' or 'cuda:0', got {device!r}") from err
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here, "
+            f"indices 0..{torch.cuda.device_count() - 1}"
+        )
     if dev.type not in {"cpu", "cuda"}:
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     return dev
@@ -120,7 +126,8 @@ def model_from_state_dict(
     """Build a :class:`LlamaModel` from HF-named tensors, fusing q/k/v and gate/up on the way."""
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    expected = set(model.state_dict())
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    expected = set(shapes)
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
     for raw_name, tensor in tensors:
@@ -144,10 +151,16 @@ def model_from_state_dict(
     incomplete = sorted(pending)
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
-    if incomplete or missing or unexpected:
+    misshapen = sorted(
+        f"{name} {tuple(state[name].shape)} != {shapes[name]}"
+        for name in expected & set(state)
+        if tuple(state[name].shape) != shapes[name]
+    )
+    if incomplete or missing or unexpected or misshapen:
         raise ValueError(
-            f"checkpoint does not match a {cfg.architecture.value} model: missing {missing[:5]}, "
-            f"incomplete {incomplete[:5]}, unexpected {unexpected[:5]}"
+            f"checkpoint does not match a {cfg.architecture.value} model of its config.json: "
+            f"missing {missing[:5]}, incomplete {incomplete[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shape (checkpoint != config) {misshapen[:5]}"
         )
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -161,20 +174,26 @@ def load_model(
     *,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
+    pack: bool | None = None,
 ) -> tuple[LlamaModel, object, Path]:
     """Load ``source`` (HF directory, ``.gguf`` file, known name or hub id).
 
-    Returns ``(model, hf_config, model_dir)``; ``model_dir`` holds the tokenizer files.
+    ``pack`` swaps bf16 linear layers for the packed CPU kernel (``None``: when it helps,
+    see :func:`specdec.models.packed.should_pack`). Returns ``(model, hf_config, model_dir)``;
+    ``model_dir`` holds the tokenizer files.
     """
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = _resolve_source(source)
     if path.suffix == ".gguf":
-        return _load_gguf(path, torch_dtype, torch_device)
-    hf_config = load_hf_config(path)
-    cfg = ModelConfig.from_hf_config(hf_config)
-    model = model_from_state_dict(
-        cfg, _read_safetensors(_safetensors_files(path)), dtype=torch_dtype, device=torch_device
-    )
+        model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
+    else:
+        hf_config = load_hf_config(path)
+        cfg = ModelConfig.from_hf_config(hf_config)
+        model = model_from_state_dict(
+            cfg, _read_safetensors(_safetensors_files(path)), dtype=torch_dtype, device=torch_device
+        )
+    if pack or (pack is None and should_pack(model)):
+        pack_linears(model)
     return model, hf_config, path
 
 

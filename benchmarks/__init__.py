@@ -1,0 +1,1 @@
+"""Benchmarks: plain decoding vs transformers, and the speculative decoding harness."""

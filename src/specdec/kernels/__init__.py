@@ -1,0 +1,1 @@
+"""Fast kernels, each beside the pure-torch reference it is tested against."""

