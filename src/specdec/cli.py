@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--target", default=None)
     demo.add_argument("--draft", default=None)
     demo.add_argument("--prompt", action="append", default=None)
-    demo.add_argument("--max-new-tokens", type=int, default=128)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     demo.add_argument("--dtype", default="bfloat16")
     demo.add_argument("--threads", type=int, default=None)

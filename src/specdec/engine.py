@@ -139,6 +139,7 @@ class Engine:
                 num_speculative_tokens=batch.lookahead,
                 kv=self.proposer_kv,
                 backend=self.backend,
+                device=self.target.device,
             )
         )
         _check_proposal(proposal, len(reqs), batch.lookahead)

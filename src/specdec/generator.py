@@ -153,6 +153,19 @@ class Generator:
             verifier=verifier,
         )
 
+    def with_proposer(
+        self, proposer: Proposer | None, *, cache_config: CacheConfig | None = None
+    ) -> Generator:
+        """A generator sharing this one's target weights, tokenizer and EOS ids, with another
+        proposer (``None``: plain decoding) and its own KV cache."""
+        return Generator(
+            target=self.target,
+            tokenizer=self.tokenizer,
+            proposer=proposer,
+            cache_config=cache_config or self.cache_config,
+            eos_token_ids=sorted(self.eos_token_ids),
+        )
+
     # ------------------------------------------------------------- generation
     def generate(
         self,
@@ -263,7 +276,7 @@ class Generator:
             generator=None if params.is_greedy else make_generator(params.seed, self.target.device),
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
-            decode=self.decode if params.stop else None,
+            decode=(lambda out, ctx=ids: self._decode_output(ctx, out)) if params.stop else None,
         )
 
     def _submit(self, reqs: Sequence[Request]) -> None:
@@ -288,8 +301,19 @@ class Generator:
                 raise RuntimeError(f"request {req.seq_id} failed: {req.error}") from req.error
 
     def _text(self, req: Request) -> str:
-        text = self.decode(req.output_ids)
+        text = self._decode_output(req.prompt_ids, req.output_ids)
         return text if req.stop_text_len is None else text[: req.stop_text_len]
+
+    def _decode_output(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+        """Decode output tokens in the context of the prompt's last tokens.
+
+        SentencePiece-style tokenizers drop a word's leading space when it starts the decoded
+        text; decoding a few prompt tokens along and cutting their text off keeps it.
+        """
+        context = list(prompt_ids[-4:])
+        prefix = self.decode(context)
+        full = self.decode(context + list(output_ids))
+        return full[len(prefix) :] if full.startswith(prefix) else self.decode(output_ids)
 
     def _output(self, req: Request) -> GenerationOutput:
         return GenerationOutput(

@@ -83,6 +83,7 @@ class ProposeContext:
     num_speculative_tokens: int  # this step's width, <= proposer.num_speculative_tokens
     kv: ModelKV | None = None
     backend: AttentionBackend | None = None
+    device: torch.device = torch.device("cpu")  # where the target runs: put proposal tensors here
 
 
 @attrs.frozen(eq=False)

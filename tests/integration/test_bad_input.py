@@ -84,12 +84,20 @@ BAD_PROMPTS = {
     "empty-token-list": ([], ValueError, "prompts must not be empty"),
     "empty-list-of-prompts": ([[]], ValueError, "prompt must not be empty"),
     "one-empty-in-batch": ([[1, 2], []], ValueError, "prompt must not be empty"),
-    "longer-than-context": ([1] * CONTEXT, ValueError, rf"context is {CONTEXT}.*at most {CONTEXT - 1}"),
+    "longer-than-context": (
+        [1] * CONTEXT,
+        ValueError,
+        rf"context is {CONTEXT}.*at most {CONTEXT - 1}",
+    ),
     "token-id-past-vocab": ([1, VOCAB], ValueError, rf"prompt token ids must be in \[0, {VOCAB}\)"),
     "negative-token-id": ([-1, 2], ValueError, rf"prompt token ids must be in \[0, {VOCAB}\)"),
     "past-vocab-in-batch": ([[1], [2, VOCAB + 5]], ValueError, r"token ids must be in \[0, 101\)"),
     "strings-and-ints": (["a", 1], TypeError, "prompts must be a string, a list of token ids"),
-    "strings-and-lists": (["a", [1, 2]], TypeError, "prompts must be a string, a list of token ids"),
+    "strings-and-lists": (
+        ["a", [1, 2]],
+        TypeError,
+        "prompts must be a string, a list of token ids",
+    ),
     "bool-token": ([[1, True]], TypeError, "prompts must be a string, a list of token ids"),
     "float-tokens": ([1.0, 2.0], TypeError, "prompts must be a string, a list of token ids"),
     "none": (None, TypeError, "prompts must be"),
@@ -103,7 +111,9 @@ def test_bad_prompt_generate(gen, case):
     assert_rejected_before_work(gen, lambda g: g.generate(prompt, OK), error, match)
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_PROMPTS if "batch" not in c and "list-of" not in c])
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_PROMPTS if "batch" not in c and "list-of" not in c]
+)
 def test_bad_prompt_stream_raises_at_the_call(gen, case):
     prompt, error, match = BAD_PROMPTS[case]
     # No next(): stream() validates when called, not when first iterated.
@@ -123,7 +133,9 @@ def test_text_prompt_without_tokenizer(gen):
 def test_empty_string_is_rejected_even_when_the_tokenizer_adds_bos(stories_path):
     gen = Generator.from_pretrained(stories_path, dtype="float32")
     assert gen.encode("") != []  # stories260K encodes "" as [BOS]: still no prompt
-    assert_rejected_before_work(gen, lambda g: g.generate("", OK), ValueError, "prompt must not be empty")
+    assert_rejected_before_work(
+        gen, lambda g: g.generate("", OK), ValueError, "prompt must not be empty"
+    )
     assert_rejected_before_work(
         gen, lambda g: g.generate(["Once", ""], OK), ValueError, "prompt must not be empty"
     )
@@ -167,7 +179,9 @@ BAD_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), BAD_PARAMS, ids=[str(c[0]) for c in BAD_PARAMS])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"), BAD_PARAMS, ids=[str(c[0]) for c in BAD_PARAMS]
+)
 def test_bad_sampling_params(kwargs, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
@@ -196,16 +210,24 @@ def test_bad_params_argument(gen, case):
 
 def test_bad_params_argument_stream(gen):
     assert_rejected_before_work(
-        gen, lambda g: g.stream([1, 2], {"max_new_tokens": 3}), TypeError, "params must be a SamplingParams"
+        gen,
+        lambda g: g.stream([1, 2], {"max_new_tokens": 3}),
+        TypeError,
+        "params must be a SamplingParams",
     )
 
 
 def test_stop_strings_need_a_tokenizer(gen):
     params = SamplingParams(max_new_tokens=4, stop=["\n"])
     assert_rejected_before_work(
-        gen, lambda g: g.generate([[1], [2]], [OK, params]), ValueError, "params.stop needs a tokenizer"
+        gen,
+        lambda g: g.generate([[1], [2]], [OK, params]),
+        ValueError,
+        "params.stop needs a tokenizer",
     )
-    assert_rejected_before_work(gen, lambda g: g.stream([1], params), ValueError, "params.stop needs a tokenizer")
+    assert_rejected_before_work(
+        gen, lambda g: g.stream([1], params), ValueError, "params.stop needs a tokenizer"
+    )
     out = gen.generate([1], SamplingParams(max_new_tokens=4, stop_token_ids=[5]))  # the alternative
     assert len(out.token_ids) <= 4
 
@@ -241,13 +263,19 @@ def test_cache_config_must_be_a_cache_config(target, tiny_dir, monkeypatch):
 @pytest.mark.parametrize("k", [None, 3])
 def test_request_larger_than_the_cache(target, k):
     proposer = None if k is None else PromptLookup(num_speculative_tokens=k)
-    gen = Generator.from_components(target, proposer=proposer, cache_config=CacheConfig(max_num_tokens=32))
+    gen = Generator.from_components(
+        target, proposer=proposer, cache_config=CacheConfig(max_num_tokens=32)
+    )
     too_long = SamplingParams(max_new_tokens=30, ignore_eos=True)
     assert_rejected_before_work(
-        gen, lambda g: g.generate([[1] * 2, [2] * 10], too_long), ValueError,
+        gen,
+        lambda g: g.generate([[1] * 2, [2] * 10], too_long),
+        ValueError,
         r"prompt \(10 tokens\) \+ max_new_tokens \(30\) exceeds.*capacity \(32 tokens\).*max_num_tokens",
     )
-    assert_rejected_before_work(gen, lambda g: g.stream([2] * 10, too_long), ValueError, "max_num_tokens")
+    assert_rejected_before_work(
+        gen, lambda g: g.stream([2] * 10, too_long), ValueError, "max_num_tokens"
+    )
     out = gen.generate([2] * 10, SamplingParams(max_new_tokens=22, ignore_eos=True))  # exactly fits
     assert len(out.token_ids) == 22
     assert_clean(gen)
@@ -257,10 +285,15 @@ def test_request_larger_than_the_whole_page_pool(target):
     gen = Generator.from_components(target, cache_config=CacheConfig(num_pages=2, page_size=4))
     # 8 slots in all, one kept for the bonus row: 7 tokens fit.
     assert_rejected_before_work(
-        gen, lambda g: g.generate([1, 2, 3], SamplingParams(max_new_tokens=5)), ValueError,
+        gen,
+        lambda g: g.generate([1, 2, 3], SamplingParams(max_new_tokens=5)),
+        ValueError,
         r"capacity \(7 tokens\).*num_pages",
     )
-    assert len(gen.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+    assert (
+        len(gen.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids)
+        == 4
+    )
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -291,7 +324,9 @@ def test_unknown_device(tmp_path, device):
             load(tmp_path / "missing", device=device)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
 def test_cuda_when_unavailable(tmp_path, device):
     for load in (Generator.from_pretrained, DraftModel.from_pretrained):
@@ -347,21 +382,29 @@ def test_pickle_checkpoint_is_refused_and_never_unpickled(tmp_path, tiny_dir):
 @pytest.mark.parametrize("keep", ["5 bytes", "100 bytes", "half", "all but 1 byte"])
 def test_truncated_safetensors(tmp_path, tiny_dir, keep):
     data = (tiny_dir / "model.safetensors").read_bytes()
-    cut = {"5 bytes": 5, "100 bytes": 100, "half": len(data) // 2, "all but 1 byte": len(data) - 1}[keep]
+    cut = {"5 bytes": 5, "100 bytes": 100, "half": len(data) // 2, "all but 1 byte": len(data) - 1}[
+        keep
+    ]
     shutil.copy(tiny_dir / "config.json", tmp_path)
     (tmp_path / "model.safetensors").write_bytes(data[:cut])
     for load in (Generator.from_pretrained, DraftModel.from_pretrained):
-        with pytest.raises(ValueError, match="corrupt or unreadable checkpoint file .*model.safetensors"):
+        with pytest.raises(
+            ValueError, match="corrupt or unreadable checkpoint file .*model.safetensors"
+        ):
             load(tmp_path, dtype="float64")
 
 
 def test_unsupported_architecture(tmp_path, tiny_dir):
     (tmp_path / "config.json").write_text(
-        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB})
+        json.dumps(
+            {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": VOCAB}
+        )
     )
     shutil.copy(tiny_dir / "model.safetensors", tmp_path)
     for load in (Generator.from_pretrained, DraftModel.from_pretrained):
-        with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
+        with pytest.raises(
+            ValueError, match=r"unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"
+        ):
             load(tmp_path, dtype="float64")
 
 
@@ -369,7 +412,9 @@ def test_weights_that_do_not_match_the_config(tmp_path, tiny_dir):
     config = json.loads((tiny_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, hidden_size=32)))  # weights: 64
     shutil.copy(tiny_dir / "model.safetensors", tmp_path)
-    with pytest.raises(ValueError, match=r"wrong shape \(checkpoint != config\).*embed_tokens.weight"):
+    with pytest.raises(
+        ValueError, match=r"wrong shape \(checkpoint != config\).*embed_tokens.weight"
+    ):
         Generator.from_pretrained(tmp_path, dtype="float64")
 
 
@@ -377,7 +422,8 @@ def test_weights_that_do_not_match_the_config(tmp_path, tiny_dir):
 
 
 @pytest.mark.parametrize(
-    ("k", "error"), [(0, ValueError), (-2, ValueError), (2.5, TypeError), ("4", TypeError), (None, TypeError)]
+    ("k", "error"),
+    [(0, ValueError), (-2, ValueError), (2.5, TypeError), ("4", TypeError), (None, TypeError)],
 )
 def test_draft_model_bad_num_speculative_tokens(tiny_dir, target, k, error):
     with pytest.raises(error, match="num_speculative_tokens must be"):
@@ -408,7 +454,9 @@ def test_prompt_lookup_bad_num_speculative_tokens(k):
         PromptLookup(num_speculative_tokens=k)
 
 
-@pytest.mark.xfail(strict=True, reason="TokenListProposer accepts bools (isinstance(True, int)); proposers/base.py")
+@pytest.mark.xfail(
+    strict=True, reason="TokenListProposer accepts bools (isinstance(True, int)); proposers/base.py"
+)
 def test_prompt_lookup_rejects_bool_num_speculative_tokens():
     with pytest.raises((TypeError, ValueError), match="num_speculative_tokens"):
         PromptLookup(num_speculative_tokens=True)
@@ -442,14 +490,28 @@ class ZeroWidth(TokenListProposer):
     ("proposer", "error", "match"),
     [
         (object(), TypeError, "proposer must implement specdec.interfaces.Proposer, got object"),
-        (OnlyPropose(), TypeError, "proposer must implement specdec.interfaces.Proposer, got OnlyPropose"),
-        ("prompt-lookup", TypeError, "proposer must implement specdec.interfaces.Proposer, got str"),
+        (
+            OnlyPropose(),
+            TypeError,
+            "proposer must implement specdec.interfaces.Proposer, got OnlyPropose",
+        ),
+        (
+            "prompt-lookup",
+            TypeError,
+            "proposer must implement specdec.interfaces.Proposer, got str",
+        ),
         (ZeroWidth(0), ValueError, "proposer.num_speculative_tokens must be an int >= 1, got 0"),
-        (ZeroWidth("3"), ValueError, "proposer.num_speculative_tokens must be an int >= 1, got '3'"),
+        (
+            ZeroWidth("3"),
+            ValueError,
+            "proposer.num_speculative_tokens must be an int >= 1, got '3'",
+        ),
     ],
     ids=["object", "partial", "string", "zero-width", "string-width"],
 )
-def test_proposer_not_implementing_the_protocol(target, tiny_dir, monkeypatch, proposer, error, match):
+def test_proposer_not_implementing_the_protocol(
+    target, tiny_dir, monkeypatch, proposer, error, match
+):
     with pytest.raises(error, match=match):
         Generator.from_components(target, proposer=proposer)
     _forbid_loading(monkeypatch)
@@ -458,7 +520,9 @@ def test_proposer_not_implementing_the_protocol(target, tiny_dir, monkeypatch, p
 
 
 def test_verifier_not_implementing_the_protocol(target):
-    with pytest.raises(TypeError, match="verifier must implement specdec.interfaces.Verifier, got object"):
+    with pytest.raises(
+        TypeError, match="verifier must implement specdec.interfaces.Verifier, got object"
+    ):
         Generator.from_components(target, proposer=PromptLookup(2), verifier=object())
 
 
@@ -500,18 +564,34 @@ class Faulty:
         if self.fault == "raises":
             raise RuntimeError("proposer exploded")
         if self.fault == "extra-row":
-            return DraftProposal(kind=ProposalKind.CHAIN, draft_token_ids=torch.cat([ids, ids[:1]]), num_draft_tokens=(*n, n[0]))
+            return DraftProposal(
+                kind=ProposalKind.CHAIN,
+                draft_token_ids=torch.cat([ids, ids[:1]]),
+                num_draft_tokens=(*n, n[0]),
+            )
         if self.fault == "too-many-drafts":
             wide = torch.cat([ids, ids], dim=1)
-            return DraftProposal(kind=ProposalKind.CHAIN, draft_token_ids=wide, num_draft_tokens=tuple(2 * x for x in n))
+            return DraftProposal(
+                kind=ProposalKind.CHAIN,
+                draft_token_ids=wide,
+                num_draft_tokens=tuple(2 * x for x in n),
+            )
         if self.fault == "tree-kind":
             parents = torch.arange(ids.shape[1])[None].expand_as(ids) - 1
-            return DraftProposal(kind=ProposalKind.TREE, draft_token_ids=ids, num_draft_tokens=n, parents=parents)
+            return DraftProposal(
+                kind=ProposalKind.TREE, draft_token_ids=ids, num_draft_tokens=n, parents=parents
+            )
         if self.fault == "token-past-vocab":
-            return DraftProposal(kind=ProposalKind.CHAIN, draft_token_ids=ids + VOCAB, num_draft_tokens=n)
+            return DraftProposal(
+                kind=ProposalKind.CHAIN, draft_token_ids=ids + VOCAB, num_draft_tokens=n
+            )
         if self.fault == "bad-draft-probs":
-            probs = torch.full((ids.shape[0], ids.shape[1], VOCAB + 3), 1.0 / (VOCAB + 3), dtype=torch.float64)
-            return DraftProposal(kind=ProposalKind.CHAIN, draft_token_ids=ids, num_draft_tokens=n, draft_probs=probs)
+            probs = torch.full(
+                (ids.shape[0], ids.shape[1], VOCAB + 3), 1.0 / (VOCAB + 3), dtype=torch.float64
+            )
+            return DraftProposal(
+                kind=ProposalKind.CHAIN, draft_token_ids=ids, num_draft_tokens=n, draft_probs=probs
+            )
         return proposal
 
     def on_target_step(self, step) -> None:
@@ -559,7 +639,9 @@ FAULTS = {
 
 def _sampled_and_greedy(n: int) -> list[SamplingParams]:
     return [
-        GREEDY if i % 2 == 0 else SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, ignore_eos=True)
+        GREEDY
+        if i % 2 == 0
+        else SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, ignore_eos=True)
         for i in range(n)
     ]
 
@@ -570,7 +652,9 @@ def _sampled_and_greedy(n: int) -> list[SamplingParams]:
 def test_error_inside_a_step_leaves_nothing_behind(target, reference, fault, fail_at, via):
     draft = DraftModel.from_model(perturbed(target), num_speculative_tokens=3)
     proposer = Faulty(draft, fault, fail_at=fail_at)
-    gen = Generator.from_components(target, proposer=proposer, cache_config=CacheConfig(page_size=4))
+    gen = Generator.from_components(
+        target, proposer=proposer, cache_config=CacheConfig(page_size=4)
+    )
     error, match = FAULTS[fault]
     with pytest.raises(error, match=match):
         if via == "generate":
@@ -591,7 +675,9 @@ def test_error_inside_a_step_leaves_nothing_behind(target, reference, fault, fai
 
 def test_error_in_the_verifier_leaves_nothing_behind(target, reference):
     verifier = RaisingVerifier()
-    gen = Generator.from_components(target, proposer=PromptLookup(num_speculative_tokens=3), verifier=verifier)
+    gen = Generator.from_components(
+        target, proposer=PromptLookup(num_speculative_tokens=3), verifier=verifier
+    )
     with pytest.raises(RuntimeError, match="verifier exploded"):
         gen.generate([p * 3 for p in PROMPTS], GREEDY)
     assert_clean(gen)

@@ -175,7 +175,11 @@ def test_generator_output_matches_the_target_distribution(models, case):
     m = gen.metrics
     assert 0.2 < m.acceptance_rate < 0.9, m.acceptance_rate
     for j in range(2):
-        assert 0.1 * m.drafted_per_position[j] < m.accepted_per_position[j] < 0.9 * m.drafted_per_position[j]
+        assert (
+            0.1 * m.drafted_per_position[j]
+            < m.accepted_per_position[j]
+            < 0.9 * m.drafted_per_position[j]
+        )
 
 
 def _swapped_acceptance(target_at_draft, draft_at_draft):

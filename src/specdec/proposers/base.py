@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.types import DraftProposal, ProposalKind, pad_rows
@@ -46,10 +44,9 @@ class TokenListProposer:
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         k = ctx.num_speculative_tokens
         rows = [list(self.draft(tokens, k))[:k] for tokens in ctx.token_ids]
-        device = ctx.kv.pool.cache.device if ctx.kv is not None else torch.device("cpu")
         return DraftProposal(
             kind=ProposalKind.CHAIN,
-            draft_token_ids=pad_rows(rows, k, device),
+            draft_token_ids=pad_rows(rows, k, ctx.device),
             num_draft_tokens=tuple(len(r) for r in rows),
             draft_probs=None,  # deterministic drafts: the verifier treats them as one-hot
         )
