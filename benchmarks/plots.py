@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 COLORS = {
     "specdec-plain": "#4c72b0",
@@ -88,6 +89,7 @@ def plot_speedup_vs_k(summary: list[dict], path: Path) -> Path:
             )
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=COLORS.get(system, "grey"), label=system)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("k (num_speculative_tokens)")
         ax.set_ylabel("speedup vs specdec-plain (median tokens/s)")
         ax.set_title(_title(key))
@@ -111,8 +113,9 @@ def plot_acceptance_per_position(summary: list[dict], path: Path) -> Path:
                     alpha=0.4 + 0.6 * r["k"] / max(x["k"] or 1 for x in rows),
                     label=f"{r['system']} k={r['k']}",
                 )
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position")
-        ax.set_ylabel("acceptance rate at position")
+        ax.set_ylabel("P(draft token at position accepted)")
         ax.set_ylim(0, 1.05)
         ax.set_title(_title(key))
         if ax.get_legend_handles_labels()[0]:

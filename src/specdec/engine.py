@@ -145,6 +145,7 @@ class Engine:
         _check_proposal(proposal, len(reqs), batch.lookahead)
         drafts = proposal.draft_token_ids.tolist()
         num_draft = proposal.num_draft_tokens
+        _check_draft_ids(drafts, num_draft, self.target.config.vocab_size)
         starts = [len(r.token_ids) - 1 for r in reqs]
         rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
         positions, tree_masks = None, None
@@ -289,6 +290,13 @@ def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) ->
         raise ValueError(
             f"proposer drafted {proposal.num_draft_tokens} tokens; allowed 0..{lookahead} per sequence"
         )
+
+
+def _check_draft_ids(drafts: list[list[int]], num_draft: Sequence[int], vocab: int) -> None:
+    """Out-of-vocabulary drafts would index past the embedding (a device assert on CUDA)."""
+    for row, n in zip(drafts, num_draft):
+        if any(t < 0 or t >= vocab for t in row[:n]):
+            raise ValueError(f"proposer drafted token ids outside [0, {vocab}): {row[:n]}")
 
 
 def _padded_row_index(q_lens: Sequence[int], width: int) -> torch.Tensor:

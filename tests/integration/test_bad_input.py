@@ -432,11 +432,6 @@ def test_draft_model_bad_num_speculative_tokens(tiny_dir, target, k, error):
         DraftModel.from_pretrained(tiny_dir, num_speculative_tokens=k, dtype="float64")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DraftModel.from_pretrained loads the checkpoint before building DraftModelConfig; "
-    "build the config first in proposers/draft_model.py",
-)
 def test_draft_model_validates_before_loading(tiny_dir, monkeypatch):
     _forbid_loading(monkeypatch)
     with pytest.raises(ValueError, match="num_speculative_tokens must be"):
@@ -454,9 +449,6 @@ def test_prompt_lookup_bad_num_speculative_tokens(k):
         PromptLookup(num_speculative_tokens=k)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="TokenListProposer accepts bools (isinstance(True, int)); proposers/base.py"
-)
 def test_prompt_lookup_rejects_bool_num_speculative_tokens():
     with pytest.raises((TypeError, ValueError), match="num_speculative_tokens"):
         PromptLookup(num_speculative_tokens=True)
@@ -630,8 +622,8 @@ FAULTS = {
     "extra-row": (ValueError, r"proposer returned (\d+) rows for a batch of (?!\1)\d+"),
     "too-many-drafts": (ValueError, "proposer drafted"),
     "tree-kind": (ValueError, "ChainVerifier verifies CHAIN proposals"),
-    # A CPU embedding lookup raises IndexError; the engine may check ids itself one day.
-    "token-past-vocab": ((IndexError, ValueError), "index out of range|vocab"),
+    # The engine checks draft ids before the target's embedding lookup (a device assert on CUDA).
+    "token-past-vocab": (ValueError, "drafted token ids outside"),
     "bad-draft-probs": (ValueError, "draft_probs must be"),
     "on-target-step-raises": (RuntimeError, "on_target_step exploded"),
 }

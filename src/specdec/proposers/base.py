@@ -30,7 +30,11 @@ class TokenListProposer:
     needs_target_hidden = False
 
     def __init__(self, num_speculative_tokens: int = 4) -> None:
-        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 64:
+        if (
+            not isinstance(num_speculative_tokens, int)
+            or isinstance(num_speculative_tokens, bool)
+            or not 1 <= num_speculative_tokens <= 64
+        ):
             raise ValueError(f"num_speculative_tokens must be an int in 1..64, got {num_speculative_tokens!r}")
         self.num_speculative_tokens = num_speculative_tokens
 

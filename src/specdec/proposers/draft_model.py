@@ -59,8 +59,9 @@ class DraftModel:
         dtype: str | torch.dtype = "bfloat16",
         device: str | torch.device = "cpu",
     ) -> DraftModel:
+        config = DraftModelConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
         model, _, _ = load_model(path, dtype=dtype, device=device)
-        return cls(model, DraftModelConfig(num_speculative_tokens=num_speculative_tokens))
+        return cls(model, config)
 
     @classmethod
     def from_model(cls, model: LlamaModel, *, num_speculative_tokens: int = 4) -> DraftModel:
