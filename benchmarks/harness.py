@@ -252,16 +252,8 @@ class ModelPool:
         return DraftModel.from_pretrained(self.draft_path, dtype=self.dtype).model
 
     def specdec_generator(self, proposer):
-        from specdec import Generator
-
-        base = self.specdec_plain
-        return Generator.from_components(
-            base.target,
-            base.tokenizer,
-            proposer=proposer,
-            cache_config=self.cache_config,
-            eos_token_ids=sorted(base.eos_token_ids),
-        )
+        """A generator on the shared target with ``proposer`` (``None``: plain) and its own KV."""
+        return self.specdec_plain.with_proposer(proposer, cache_config=self.cache_config)
 
     def _hf_load(self, path: Path):
         from transformers import AutoModelForCausalLM

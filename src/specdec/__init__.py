@@ -2,6 +2,8 @@
 
 from specdec.config import CacheConfig, SamplingParams
 from specdec.generator import GenerationOutput, Generator
+from specdec.handle import RequestHandle
+from specdec.request import RequestError
 from specdec.metrics import SpecMetrics
 from specdec.types import PAD_TOKEN_ID
 
@@ -10,6 +12,8 @@ __all__ = [
     "GenerationOutput",
     "Generator",
     "PAD_TOKEN_ID",
+    "RequestError",
+    "RequestHandle",
     "SamplingParams",
     "SpecMetrics",
 ]

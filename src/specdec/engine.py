@@ -4,6 +4,9 @@ The engine owns no math: sampling and verification are the sampler's and verifie
 is the backend's, page bookkeeping the KV manager's. It wires them for a batch and keeps the
 invariant that after a step the target's KV holds exactly ``request.num_computed`` slots of
 every running request (pages past that are released).
+
+Failures are contained to the requests they concern (see :meth:`Engine.step`): a step never
+raises for them, and a failed request frees its pages and proposer state at once.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from specdec.interfaces import (
@@ -24,7 +28,7 @@ from specdec.interfaces import (
 from specdec.kv.paged import ModelKV
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
-from specdec.request import FinishReason, Request, TokenLogprob
+from specdec.request import FinishReason, Request, RequestError, TokenLogprob
 from specdec.sampling import SamplingTensors, logprobs_of
 from specdec.scheduler import BatchScheduler, ScheduledBatch
 from specdec.types import DraftProposal, ProposalKind, StepOutput
@@ -61,17 +65,35 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> StepOutput:
-        """Run one step over the scheduled batch; finished requests leave the batch."""
+        """Run one step over the scheduled batch; finished requests leave the batch.
+
+        Failures fail only the requests they concern, and ``step`` does not raise for them
+        (their ids are in ``StepOutput.failed_seq_ids``, the error in ``request.error``):
+
+        - per request: non-finite (NaN/inf) target logits in its rows, non-finite draft
+          probabilities in its rows, or an exception from its stop check (a stop-string
+          decode callback): that request alone fails; the rest of the batch is committed.
+        - per batch: an exception from a component serving the whole batch (the proposer's
+          ``propose``/``on_target_step``, a malformed proposal, the verifier, the sampler, the
+          model): every request of this step's batch fails with that exception, because their
+          KV and proposer state may be half-updated. Waiting requests are untouched.
+
+        Either way the failed requests' pages and proposer state are released at once.
+        Exceptions that are not ``Exception`` (KeyboardInterrupt) propagate.
+        """
         batch = self.scheduler.schedule(self.num_speculative_tokens)
         for req in batch.preempted:
             self._release_proposer(req)
         if batch.empty:
             return StepOutput.empty()
         start = time.perf_counter()
-        if batch.decode_only and batch.lookahead > 0:
-            out = self._speculative_step(batch)
-        else:
-            out = self._plain_step(batch)
+        try:
+            if batch.decode_only and batch.lookahead > 0:
+                out = self._speculative_step(batch)
+            else:
+                out = self._plain_step(batch)
+        except Exception as exc:  # noqa: BLE001 - contained: fails this batch's requests
+            out = self._fail_batch(batch.requests, exc)
         elapsed = time.perf_counter() - start
         self.metrics.elapsed_s += elapsed
         for req in batch.requests:
@@ -84,7 +106,21 @@ class Engine:
         self._finish(req, FinishReason.ERROR)
 
     def cancel(self, req: Request) -> None:
+        """End ``req`` (waiting or running) as cancelled; its pages are freed at once."""
         self._finish(req, FinishReason.CANCELLED)
+
+    def _fail_batch(self, reqs: Sequence[Request], error: Exception) -> StepOutput:
+        failed = [r for r in reqs if not r.finished]
+        for req in failed:
+            self.fail(req, error)
+        return StepOutput(
+            seq_ids=tuple(r.seq_id for r in reqs),
+            new_token_ids=((),) * len(reqs),
+            num_drafted=(0,) * len(reqs),
+            num_accepted=(0,) * len(reqs),
+            speculative=False,
+            failed_seq_ids=tuple(r.seq_id for r in failed),
+        )
 
     # ------------------------------------------------------------ plain step
     def _plain_step(self, batch: ScheduledBatch) -> StepOutput:
@@ -105,44 +141,59 @@ class Engine:
             return_hidden=want_hidden,
         )
         params = [r.params for r in reqs]
-        tokens = self.sampler.sample(out.logits, params, [r.generator for r in reqs]).tolist()
-        self._record_logprobs(reqs, out.logits, [[t] for t in tokens])
+        errors: dict[int, BaseException] = {}
+        logits = _isolate_non_finite(reqs, out.logits, errors, "target logits")
+        tokens = self.sampler.sample(logits, params, [r.generator for r in reqs]).tolist()
+        self._record_logprobs(reqs, logits, [[t] for t in tokens])
 
         new_tokens = []
-        for req, tok in zip(reqs, tokens):
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if i in errors:
+                new_tokens.append(())
+                continue
             req.num_computed = len(req.token_ids)
-            req.append([tok])
+            _append(req, [tok], i, errors)
             req.metrics.num_target_forwards += 1
             req.metrics.num_generated_tokens += 1
-            new_tokens.append((tok,))
+            self.metrics.num_generated_tokens += 1
+            new_tokens.append(() if i in errors else (tok,))
         self.metrics.num_target_forwards += 1
-        self.metrics.num_generated_tokens += len(reqs)
-        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, layout.q_lens, [0] * len(reqs), out.hidden_states)
-        self._finish_stopped(reqs)
+        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, layout.q_lens, [0] * len(reqs), out.hidden_states, skip=errors)
+        self._finish_step(reqs, errors)
         return StepOutput(
             seq_ids=tuple(r.seq_id for r in reqs),
             new_token_ids=tuple(new_tokens),
             num_drafted=(0,) * len(reqs),
             num_accepted=(0,) * len(reqs),
             speculative=False,
+            failed_seq_ids=tuple(reqs[i].seq_id for i in sorted(errors)),
         )
 
     # ------------------------------------------------------ speculative step
     def _speculative_step(self, batch: ScheduledBatch) -> StepOutput:
         reqs = batch.requests
+        # Drafting past a request's remaining budget is wasted work: the last emitted token
+        # is always the target's own, so at most remaining - 1 drafts can be kept.
+        caps = [max(0, r.remaining() - 1) for r in reqs]
+        lookahead = min(batch.lookahead, max(caps))
+        if lookahead == 0:
+            return self._plain_step(batch)
         proposal = self.proposer.propose(
             ProposeContext(
                 seq_ids=tuple(r.seq_id for r in reqs),
                 token_ids=tuple(r.token_ids for r in reqs),
                 params=tuple(r.params for r in reqs),
                 generators=tuple(r.generator for r in reqs),
-                num_speculative_tokens=batch.lookahead,
+                num_speculative_tokens=lookahead,
                 kv=self.proposer_kv,
                 backend=self.backend,
                 device=self.target.device,
             )
         )
-        _check_proposal(proposal, len(reqs), batch.lookahead)
+        _check_proposal(proposal, len(reqs), lookahead)
+        if any(n > c for n, c in zip(proposal.num_draft_tokens, caps)):
+            capped = tuple(min(n, c) for n, c in zip(proposal.num_draft_tokens, caps))
+            proposal = attrs.evolve(proposal, num_draft_tokens=capped)
         drafts = proposal.draft_token_ids.tolist()
         num_draft = proposal.num_draft_tokens
         _check_draft_ids(drafts, num_draft, self.target.config.vocab_size)
@@ -166,6 +217,12 @@ class Engine:
         row_index = _padded_row_index(layout.q_lens, width + 1).to(out.logits.device)
         target_logits = out.logits[row_index]  # [batch, width + 1, vocab]
         params = [r.params for r in reqs]
+        errors: dict[int, BaseException] = {}
+        target_logits = _isolate_non_finite(reqs, target_logits, errors, "target logits")
+        if proposal.draft_probs is not None:
+            draft_probs = _isolate_non_finite(reqs, proposal.draft_probs, errors, "draft probabilities")
+            if draft_probs is not proposal.draft_probs:
+                proposal = attrs.evolve(proposal, draft_probs=draft_probs)
         result = self.verifier.verify(
             target_logits, proposal, params, [r.generator for r in reqs]
         )
@@ -180,7 +237,10 @@ class Engine:
 
         new_tokens = []
         for i, req in enumerate(reqs):
-            kept = req.append(kept_tokens[i])
+            if i in errors:
+                new_tokens.append(())
+                continue
+            kept = _append(req, kept_tokens[i], i, errors)
             req.num_computed = len(req.token_ids) - 1
             req.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
             req.metrics.num_target_forwards += 1
@@ -193,14 +253,15 @@ class Engine:
             manager.truncate(req.seq_id, min(len(req.token_ids), manager.capacity(req.seq_id)))
         self.metrics.num_target_forwards += 1
         kept_rows = [min(a + 1, len(t)) for a, t in zip(result.num_accepted, new_tokens)]
-        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, kept_rows, list(result.num_accepted), hidden)
-        self._finish_stopped(reqs)
+        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, kept_rows, list(result.num_accepted), hidden, skip=errors)
+        self._finish_step(reqs, errors)
         return StepOutput(
             seq_ids=tuple(r.seq_id for r in reqs),
             new_token_ids=tuple(new_tokens),
             num_drafted=tuple(num_draft),
             num_accepted=tuple(result.num_accepted),
             speculative=True,
+            failed_seq_ids=tuple(reqs[i].seq_id for i in sorted(errors)),
         )
 
     def _compact_tree(self, reqs, starts, accepted_rows, num_emitted, q_lens, hidden):
@@ -219,12 +280,29 @@ class Engine:
         return hidden[torch.tensor(order, device=hidden.device)]
 
     # --------------------------------------------------------------- helpers
-    def _tell_proposer(self, reqs, input_ids, q_lens, starts, kept_rows, num_accepted, hidden) -> None:
+    def _tell_proposer(self, reqs, input_ids, q_lens, starts, kept_rows, num_accepted, hidden, skip=()) -> None:
+        """Send the committed step to the proposer, leaving out the requests in ``skip``
+        (they fail this step: the proposer releases them instead)."""
         if self.proposer is None:
             return
         indptr = [0]
         for q in q_lens:
             indptr.append(indptr[-1] + q)
+        keep = [i for i in range(len(reqs)) if i not in skip]
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            rows = torch.tensor(
+                [r for i in keep for r in range(indptr[i], indptr[i + 1])], dtype=torch.int64
+            )  # [kept input rows]
+            input_ids = input_ids[rows.to(input_ids.device)]
+            hidden = None if hidden is None else hidden[rows.to(hidden.device)]
+            reqs, q_lens, starts, kept_rows, num_accepted = (
+                [xs[i] for i in keep] for xs in (reqs, q_lens, starts, kept_rows, num_accepted)
+            )
+            indptr = [0]
+            for q in q_lens:
+                indptr.append(indptr[-1] + q)
         self.proposer.on_target_step(
             TargetStep(
                 seq_ids=tuple(r.seq_id for r in reqs),
@@ -266,9 +344,12 @@ class Engine:
             top = tuple(zip(top_ids[j].tolist(), top_lp[j].tolist()))
             req.logprobs.append(TokenLogprob(token_id=int(tokens[j]), logprob=float(lp[j]), top=top))
 
-    def _finish_stopped(self, reqs: Sequence[Request]) -> None:
-        for req in reqs:
-            if req.finish_reason is not None:
+    def _finish_step(self, reqs: Sequence[Request], errors: dict[int, BaseException]) -> None:
+        """Fail the requests in ``errors``; finish those that stopped this step."""
+        for i, req in enumerate(reqs):
+            if i in errors:
+                self.fail(req, errors[i])
+            elif req.finish_reason is not None:
                 self._finish(req, req.finish_reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -278,6 +359,40 @@ class Engine:
     def _release_proposer(self, req: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(req.seq_id)
+
+
+def _isolate_non_finite(
+    reqs: Sequence[Request],
+    values: torch.Tensor,  # [batch, ...] float, one leading row per request
+    errors: dict[int, BaseException],
+    what: str,
+) -> torch.Tensor:
+    """Record a RequestError for each request whose rows hold NaN/inf; zero those rows.
+
+    Zeroed rows keep the batch's sampling and verification well defined for the others
+    (the failed requests' results are discarded). Returns ``values`` itself when all are
+    finite. One host sync per call.
+    """
+    finite = torch.isfinite(values).flatten(1).all(dim=1).tolist()  # [batch] bool
+    if all(finite):
+        return values
+    for i, ok in enumerate(finite):
+        if not ok and i not in errors:
+            errors[i] = RequestError(
+                f"request {reqs[i].seq_id}: {what} are not finite (NaN or inf); "
+                "the model or proposer produced invalid numbers for this request"
+            )
+    mask = torch.tensor(finite, device=values.device).view(-1, *[1] * (values.dim() - 1))
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _append(req: Request, tokens: Sequence[int], index: int, errors: dict[int, BaseException]) -> int:
+    """``req.append(tokens)``; an exception from its stop check goes to ``errors[index]``."""
+    try:
+        return req.append(tokens)
+    except Exception as exc:  # noqa: BLE001 - a user callback: fails this request only
+        errors[index] = exc
+        return 0
 
 
 def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) -> None:

@@ -17,6 +17,7 @@ import torch
 from specdec.attention import default_backend
 from specdec.config import CacheConfig, SamplingParams
 from specdec.engine import Engine
+from specdec.handle import RequestHandle
 from specdec.interfaces import Proposer, Verifier
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager
@@ -26,6 +27,7 @@ from specdec.models.loading import load_model
 from specdec.request import FinishReason, Request, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
 from specdec.scheduler import BatchScheduler
+from specdec.types import StepOutput
 from specdec.verify.chain import ChainVerifier
 
 __all__ = ["Generator", "GenerationOutput"]
@@ -108,6 +110,7 @@ class Generator:
             num_speculative_tokens=k,
         )
         self._next_seq_id = 0
+        self._num_steps = 0
 
     # ----------------------------------------------------------- construction
     @classmethod
@@ -176,6 +179,10 @@ class Generator:
 
         ``params`` is one SamplingParams for all prompts or a list with one per prompt, so
         greedy and sampled requests can share a batch.
+
+        Runs through the same engine as :meth:`submit` (requests submitted elsewhere advance
+        too). If a request fails (see ``Engine.step``), the others still run to completion,
+        uncorrupted, and then the failed request's exception is raised.
         """
         single, prompt_list = _normalize_prompts(prompts)
         if isinstance(params, (list, tuple)):
@@ -204,20 +211,81 @@ class Generator:
         return self._stream(self._make_request(prompt_list[0], params))
 
     def _stream(self, req: Request) -> Iterator[str]:
-        sent = ""
         try:
             self._submit([req])
-            while not req.finished:
-                self.engine.step()
-                text = self._text(req)
-                if req.finished or not text.endswith("\ufffd"):
-                    if len(text) > len(sent):
-                        yield text[len(sent) :]
-                        sent = text
-            self._raise_if_failed([req])
+            yield from RequestHandle(self, req)
         finally:
             if not req.finished:
                 self.engine.cancel(req)
+
+    # ------------------------------------------------------------ embedding API
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
+        """Queue one prompt and return its handle at once, without stepping the engine.
+
+        Validated like :meth:`generate` before anything is queued. The request advances
+        whenever anyone steps this generator: ``handle.result()``, its iterators,
+        :meth:`step`, or a concurrent :meth:`generate`.
+
+        Example:
+            >>> h = gen.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
+            >>> async for delta in h.stream_async(): ...
+        """
+        single, prompt_list = _normalize_prompts(prompt)
+        if not single:
+            raise TypeError("submit() takes one prompt (a string or a list of token ids)")
+        req = self._make_request(prompt_list[0], _check_params(params))
+        self._submit([req])
+        return RequestHandle(self, req)
+
+    def step(self) -> StepOutput:
+        """Run one engine step over every submitted request.
+
+        Returns the step's :class:`~specdec.types.StepOutput`: ``seq_ids`` (request ids) of
+        the batch with the ``new_token_ids`` each got, and ``failed_seq_ids``. An empty
+        output means there was nothing to run.
+        """
+        out = self.engine.step()
+        self._num_steps += 1
+        return out
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps taken so far (a clock for consumers sharing the engine)."""
+        return self._num_steps
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a submitted request by id; its pages and proposer state are freed at once.
+
+        Returns ``True`` if it was waiting or running, ``False`` if it had already ended.
+
+        Raises:
+            KeyError: no request with this id was made by this generator.
+        """
+        if not isinstance(request_id, int) or isinstance(request_id, bool):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        req = self.scheduler.find(request_id)
+        if req is not None:
+            return self._cancel_request(req)
+        if 0 <= request_id < self._next_seq_id:
+            return False
+        raise KeyError(f"request_id {request_id} is not a request of this generator")
+
+    def _cancel_request(self, req: Request) -> bool:
+        if req.finished:
+            return False
+        self.engine.cancel(req)
+        return True
+
+    def _step_for(self, req: Request) -> None:
+        """One step on behalf of ``req``'s consumer; a step with nothing to run while ``req``
+        is unfinished would loop forever, so it is an error."""
+        out = self.step()
+        if not out.seq_ids and not req.finished:
+            raise RuntimeError(f"request {req.seq_id} is not queued in this generator's engine")
+
+    def _finished_output(self, req: Request) -> GenerationOutput:
+        self._raise_if_failed([req])
+        return self._output(req)
 
     # ------------------------------------------------------------ inspection
     @property
@@ -287,7 +355,7 @@ class Generator:
         try:
             self._submit(reqs)
             while not all(r.finished for r in reqs):
-                self.engine.step()
+                self._step_for(next(r for r in reqs if not r.finished))
         finally:
             for req in reqs:
                 if not req.finished:
@@ -296,9 +364,11 @@ class Generator:
 
     @staticmethod
     def _raise_if_failed(reqs: Sequence[Request]) -> None:
+        """Raise the exception that failed the first failed request (its own type, so a
+        plug-in's ValueError stays a ValueError); the other requests are already complete."""
         for req in reqs:
-            if req.finish_reason is FinishReason.ERROR and req.error is not None:
-                raise RuntimeError(f"request {req.seq_id} failed: {req.error}") from req.error
+            if req.finish_reason is FinishReason.ERROR:
+                raise req.error or RuntimeError(f"request {req.seq_id} failed")
 
     def _text(self, req: Request) -> str:
         text = self._decode_output(req.prompt_ids, req.output_ids)

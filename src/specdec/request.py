@@ -11,7 +11,12 @@ import torch
 from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
 
-__all__ = ["Request", "RequestStatus", "FinishReason", "TokenLogprob"]
+__all__ = ["Request", "RequestError", "RequestStatus", "FinishReason", "TokenLogprob"]
+
+
+class RequestError(RuntimeError):
+    """A request failed inside the engine for a reason of its own (for example NaN logits in
+    its rows); the other requests of its batch went on."""
 
 
 class RequestStatus(enum.Enum):

@@ -44,6 +44,7 @@ class BatchScheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0  # total, for metrics and tests
         self._arrivals = 0
 
     def add(self, request: Request) -> None:
@@ -56,6 +57,10 @@ class BatchScheduler:
 
     def requests(self) -> list[Request]:
         return [*self.running, *self.waiting]
+
+    def find(self, seq_id: int) -> Request | None:
+        """The waiting or running request with ``seq_id``, or ``None``."""
+        return next((r for r in self.requests() if r.seq_id == seq_id), None)
 
     def schedule(self, lookahead: int) -> ScheduledBatch:
         """Pick this step's requests and reserve their KV slots."""
@@ -111,6 +116,7 @@ class BatchScheduler:
         return admitted
 
     def _preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
         self.kv.free(req.seq_id)
         req.num_computed = 0
         req.status = RequestStatus.WAITING

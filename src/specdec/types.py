@@ -141,6 +141,7 @@ class StepOutput:
     num_accepted: tuple[int, ...]  # of which accepted
     speculative: bool  # whether this step verified drafts
     new_logprobs: tuple[tuple[object, ...], ...] = ()  # per sequence, per token, when requested
+    failed_seq_ids: tuple[int, ...] = ()  # requests that failed in this step (their error is on the request)
 
     @staticmethod
     def empty() -> StepOutput:
