@@ -78,7 +78,6 @@ def bench(target: str, dtype: str, threads: list[int], repeats: int, new_tokens:
         }
         print(row, flush=True)
         rows.append(row)
-    del gen, hf
     gc.collect()
     return rows
 

@@ -3,8 +3,8 @@
 from specdec.config import CacheConfig, SamplingParams
 from specdec.generator import GenerationOutput, Generator
 from specdec.handle import RequestHandle
-from specdec.request import RequestError
 from specdec.metrics import SpecMetrics
+from specdec.request import RequestError
 from specdec.types import PAD_TOKEN_ID
 
 __all__ = [
