@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.kernels.cpu_linear import kernel_available
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
+from specdec.models.packed_cache import load_packed, packed_cache_file, save_packed
 
 __all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
 
@@ -186,14 +188,25 @@ def load_model(
     path = _resolve_source(source)
     if path.suffix == ".gguf":
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
-    else:
-        hf_config = load_hf_config(path)
-        cfg = ModelConfig.from_hf_config(hf_config)
-        model = model_from_state_dict(
-            cfg, _read_safetensors(_safetensors_files(path)), dtype=torch_dtype, device=torch_device
-        )
-    if pack or (pack is None and should_pack(model)):
+        if pack or (pack is None and should_pack(model)):
+            pack_linears(model)
+        return model, hf_config, path
+    hf_config = load_hf_config(path)
+    cfg = ModelConfig.from_hf_config(hf_config)
+    files = _safetensors_files(path)
+    wants_pack = pack if pack is not None else (
+        torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and kernel_available()
+    )
+    cache_file = packed_cache_file(files) if wants_pack and torch_dtype == torch.bfloat16 else None
+    if cache_file is not None:
+        cached = load_packed(cfg, cache_file, torch_device)
+        if cached is not None:
+            return cached, hf_config, path
+    model = model_from_state_dict(cfg, _read_safetensors(files), dtype=torch_dtype, device=torch_device)
+    if wants_pack:
         pack_linears(model)
+        if cache_file is not None:
+            save_packed(model, cache_file)
     return model, hf_config, path
 
 
