@@ -7,13 +7,12 @@ whether it ran alone, in a batch, preempted and recomputed, or next to a failing
 from __future__ import annotations
 
 import asyncio
-import copy
 import random
 import time
 
 import attrs
 import pytest
-import torch
+from helpers import perturbed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,14 +25,6 @@ CONTEXT = 256
 K = 3
 
 
-def perturbed(model, scale: float = 0.3, seed: int = 1):
-    """A noisy copy of ``model``: a draft that agrees with it often but not always."""
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from unittest import mock
 import pytest
 import torch
 from conftest import make_hf_model
+from helpers import chi_square_pvalue
 
 from specdec import CacheConfig, Generator, SamplingParams
 from specdec.models.llama import ModelConfig
@@ -48,21 +49,6 @@ STATISTICS = ("position 1", "position 2", "position 3", "joint 2-3", "joint 1-2-
 ALPHA = 1e-3 / (len(CASES) * len(STATISTICS))
 
 
-def _chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; bins expecting < 5 are pooled. 0.0 if a
-    zero-probability category was observed."""
-    observed, probs = observed.to(F64).flatten(), probs.to(F64).flatten()
-    if bool((observed[probs == 0] > 0).any()):
-        return 0.0
-    expected = observed.sum() * probs
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    if obs.numel() < 2:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=F64), stat / 2))
 
 
 def _specdec_model(hf_model):
@@ -159,11 +145,11 @@ def run_case(models, case: str, verifier=None) -> tuple[dict[str, float], Genera
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=F64)
     counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=F64), accumulate=True)
     result = {
-        "position 1": _chi_square_pvalue(counts.sum((1, 2)), joint.sum((1, 2))),
-        "position 2": _chi_square_pvalue(counts.sum((0, 2)), joint.sum((0, 2))),
-        "position 3": _chi_square_pvalue(counts.sum((0, 1)), joint.sum((0, 1))),
-        "joint 2-3": _chi_square_pvalue(counts.sum(0), joint.sum(0)),
-        "joint 1-2-3": _chi_square_pvalue(counts, joint),  # sparse cells pool into one bin
+        "position 1": chi_square_pvalue(counts.sum((1, 2)), joint.sum((1, 2))),
+        "position 2": chi_square_pvalue(counts.sum((0, 2)), joint.sum((0, 2))),
+        "position 3": chi_square_pvalue(counts.sum((0, 1)), joint.sum((0, 1))),
+        "joint 2-3": chi_square_pvalue(counts.sum(0), joint.sum(0)),
+        "joint 1-2-3": chi_square_pvalue(counts, joint),  # sparse cells pool into one bin
     }
     assert tuple(result) == STATISTICS
     return result, gen

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import pytest
 import torch
+from helpers import perturbed
 
 from specdec import CacheConfig, Generator, SamplingParams
 from specdec.models.loading import load_model
 from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
-
-
-def perturbed(model, scale: float, seed: int):
-    """A copy of ``model`` with noisy weights: a draft that agrees often but not always."""
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:

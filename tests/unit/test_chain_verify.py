@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import chi_square_pvalue
 
 from specdec.config import SamplingParams
 from specdec.interfaces import Verifier
@@ -225,21 +226,6 @@ CASES = {
 ALPHA = 1e-3 / ((len(CASES) + 1) * NUM_TOKENS)
 
 
-def _chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; bins expecting < 5 are pooled. 0.0 if a
-    zero-probability category was observed."""
-    observed, probs = observed.to(F64), probs.to(F64)
-    if bool((observed[probs == 0] > 0).any()):
-        return 0.0
-    expected = observed.sum() * probs
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    if obs.numel() < 2:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=F64), stat / 2))
 
 
 def _markov(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -322,7 +308,7 @@ def _position_pvalues(case: str, seed: int, **kwargs) -> list[float]:
     for position in range(NUM_TOKENS):
         marginal = marginal @ target_rows  # exact target marginal of this position
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
-        pvalues.append(_chi_square_pvalue(counts, marginal))
+        pvalues.append(chi_square_pvalue(counts, marginal))
     return pvalues
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import chi_square_pvalue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
@@ -49,21 +50,6 @@ def _hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(warpers(None, logits[None].clone()), dim=-1)[0]
 
 
-def _chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; bins expecting < 5 are pooled. 0.0 if a
-    zero-probability category was observed."""
-    observed, probs = observed.to(F64), probs.to(F64)
-    if bool((observed[probs == 0] > 0).any()):
-        return 0.0
-    expected = observed.sum() * probs
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    if obs.numel() < 2:
-        return 1.0
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=F64), stat / 2))
 
 
 def test_chi_square_pvalue_matches_known_quantiles():
@@ -255,7 +241,7 @@ def test_sample_from_probs_frequencies():
     draws = sample_from_probs(probs.expand(rows, -1), [gen] * rows)
     counts = torch.bincount(draws, minlength=6)
     assert counts[2] == 0
-    assert _chi_square_pvalue(counts, probs) > 1e-4
+    assert chi_square_pvalue(counts, probs) > 1e-4
 
 
 def test_unnormalised_weights_are_sampled_as_their_normalisation():

@@ -132,9 +132,12 @@ class TorchAttentionBackend:
             queries = padded.index_copy_(0, plan.q_scatter, q).view(
                 batch, max_q, spec.num_qo_heads, spec.head_dim
             )
-        # Attend in float32: softmax and the value sum then round once, and a row's result does
-        # not depend on how many rows share the pass (bf16 kernels block differently per shape).
-        compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+        # Half-precision models attend in float64: CPU SDPA picks different kernels for one
+        # row without a mask and several rows with one, and in float32 their roundings differ
+        # enough to flip a bf16 near-tie between a verify pass and plain decoding. In float64
+        # the result rounds to the same bf16 values whatever the row count (measured: the
+        # prompt-lookup mismatch at token 67 of HumanEval/0 disappears).
+        compute = torch.float64 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2).to(compute),  # [batch, Hq, max_q, D]
             keys.to(compute),

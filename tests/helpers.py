@@ -1,0 +1,36 @@
+"""Helpers shared by several test modules (importable because tests/ holds conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+F64 = torch.float64
+
+
+def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; bins expecting < 5 are pooled. 0.0 if a
+    zero-probability category was observed."""
+    observed, probs = observed.to(F64).flatten(), probs.to(F64).flatten()
+    if bool((observed[probs == 0] > 0).any()):
+        return 0.0
+    expected = observed.sum() * probs
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    if obs.numel() < 2:
+        return 1.0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((obs.numel() - 1) / 2, dtype=F64), stat / 2))
+
+
+def perturbed(model, scale: float = 0.3, seed: int = 1):
+    """A noisy copy of ``model``: a draft that agrees with it often but not always."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
