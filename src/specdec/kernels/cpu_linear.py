@@ -13,6 +13,7 @@ and models keep ordinary ``nn.Linear`` layers. Nothing is compiled at import tim
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -79,12 +80,21 @@ def load_kernel() -> object | None:
 
     from specdec.hub import cache_root
 
-    build_dir = cache_root() / "torch_extensions" / f"cpu_linear-{torch.__version__}"
+    # Build from a copy at a path keyed by the source's content: every checkout and virtual
+    # environment with the same kernel source and torch reuses one build (ninja would rebuild
+    # for a source at a new path), and a changed source gets a build of its own.
+    source = Path(__file__).with_name("cpu_linear.cpp")
+    code = source.read_bytes()
+    digest = hashlib.sha256(code).hexdigest()[:12]
+    build_dir = cache_root() / "torch_extensions" / f"cpu_linear-{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    stable_source = build_dir / source.name
+    if not stable_source.is_file() or stable_source.read_bytes() != code:
+        stable_source.write_bytes(code)
     try:
         return cpp_extension.load(
             name="specdec_cpu_linear",
-            sources=[str(Path(__file__).with_name("cpu_linear.cpp"))],
+            sources=[str(stable_source)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
