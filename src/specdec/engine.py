@@ -273,7 +273,8 @@ class Engine:
         for i, req in enumerate(reqs):
             path = accepted_rows[i][: num_emitted[i]]
             self.target_kv.manager.compact(req.seq_id, [starts[i] + r for r in path], starts[i])
-            rest = [r for r in range(q_lens[i]) if r not in set(path)]
+            kept = set(path)
+            rest = [r for r in range(q_lens[i]) if r not in kept]
             order.extend(offsets[i] + r for r in [*path, *rest])
         if hidden is None:
             return None
