@@ -58,6 +58,7 @@ def machine_info() -> dict[str, object]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

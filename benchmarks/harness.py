@@ -14,6 +14,7 @@ Systems:
     specdec-plain   Generator without a proposer (the baseline every ratio refers to)
     specdec-draft   Generator + DraftModel(draft, k)
     specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
+    specdec-mtp     Generator + MTPHead(--mtp-head, k)           (a head trained for --target)
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
@@ -230,9 +231,13 @@ class ModelPool:
     ``cache_config``.
     """
 
-    def __init__(self, target: Path, draft: Path, dtype: str, cache_config, tokenizer) -> None:
+    def __init__(
+        self, target: Path, draft: Path, dtype: str, cache_config, tokenizer, mtp_head: Path | None = None
+    ) -> None:
         self.target_path = target
         self.draft_path = draft
+        self.mtp_head = mtp_head
+        self.mtp_draft_vocab: int | None = None
         self.dtype = dtype
         self.cache_config = cache_config
         self.tokenizer = tokenizer
@@ -251,9 +256,12 @@ class ModelPool:
 
         return DraftModel.from_pretrained(self.draft_path, dtype=self.dtype).model
 
-    def specdec_generator(self, proposer):
-        """A generator on the shared target with ``proposer`` (``None``: plain) and its own KV."""
-        return self.specdec_plain.with_proposer(proposer, cache_config=self.cache_config)
+    def specdec_generator(self, proposer, policy=None):
+        """A generator on the shared target with ``proposer`` (``None``: plain), its own KV and
+        ``policy`` (``None``: the default adaptive policy)."""
+        return self.specdec_plain.with_proposer(
+            proposer, cache_config=self.cache_config, policy=policy
+        )
 
     def _hf_load(self, path: Path):
         from transformers import AutoModelForCausalLM
@@ -291,20 +299,37 @@ def _specdec_plain(pool: ModelPool, k: int | None) -> SpecdecRunner:
     return SpecdecRunner(pool.specdec_generator(None))
 
 
+# The grid's k is a fixed k (FixedPolicy): this harness compares speculation at a known k with
+# transformers' at the same k. benchmarks/throughput.py measures the adaptive policy.
 def _specdec_draft(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
     return SpecdecRunner(
         pool.specdec_generator(
-            DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k)
+            DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k),
+            policy=FixedPolicy(k),
         )
     )
 
 
 def _specdec_lookup(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    from specdec import FixedPolicy
     from specdec.proposers import PromptLookup
 
-    return SpecdecRunner(pool.specdec_generator(PromptLookup(num_speculative_tokens=k)))
+    return SpecdecRunner(
+        pool.specdec_generator(PromptLookup(num_speculative_tokens=k), policy=FixedPolicy(k))
+    )
+
+
+def _specdec_mtp(pool: ModelPool, k: int | None) -> SpecdecRunner:
+    from specdec import FixedPolicy
+    from specdec.proposers import MTPHead
+
+    if pool.mtp_head is None:
+        raise ValueError("specdec-mtp needs --mtp-head DIR (a head trained for --target)")
+    head = MTPHead.from_pretrained(pool.mtp_head, num_speculative_tokens=k, draft_vocab_size=pool.mtp_draft_vocab)
+    return SpecdecRunner(pool.specdec_generator(head, policy=FixedPolicy(k)))
 
 
 def _hf_plain(pool: ModelPool, k: int | None) -> HFRunner:
@@ -373,6 +398,7 @@ SYSTEMS = {
             plain=REFERENCE,
             twin="hf-lookup",
         ),
+        System(name="specdec-mtp", build=_specdec_mtp, speculative=True, plain=REFERENCE),
         System(name=HF_REFERENCE, build=_hf_plain, speculative=False, plain=HF_REFERENCE),
         System(
             name="hf-assisted",
@@ -396,7 +422,7 @@ SYSTEMS = {
 
 @attrs.frozen(kw_only=True)
 class HarnessConfig:
-    systems: tuple[str, ...] = tuple(SYSTEMS)
+    systems: tuple[str, ...] = tuple(n for n in SYSTEMS if n != "specdec-mtp")  # mtp needs --mtp-head
     prompt_sets: tuple[str, ...] = ("humaneval",)
     num_prompts: int = 10
     ks: tuple[int, ...] = (2, 4)
@@ -410,6 +436,8 @@ class HarnessConfig:
     dtype: str = "bfloat16"
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
+    mtp_head: str | None = None
+    mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
     seed: int = 0
     out: str = "harness"
     out_dir: str = str(RESULTS)
@@ -457,7 +485,9 @@ def run_grid(cfg: HarnessConfig) -> dict:
     cache = CacheConfig(
         max_batch_size=max(cfg.batch_sizes), max_num_tokens=longest + cfg.max_new_tokens
     )
-    pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer)
+    mtp_head = Path(cfg.mtp_head) if cfg.mtp_head else None
+    pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer, mtp_head)
+    pool.mtp_draft_vocab = cfg.mtp_draft_vocab
     instances = [
         (SYSTEMS[name], k)
         for name in cfg.systems
@@ -494,7 +524,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "dtype": cfg.dtype,
         "versions": _versions(),
         "config": attrs.asdict(cfg),
-        "models": {"target": str(target_path), "draft": str(draft_path)},
+        "models": {"target": str(target_path), "draft": str(draft_path), "mtp_head": cfg.mtp_head,
+                   "mtp_draft_vocab": cfg.mtp_draft_vocab},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
         "runs": runs,
@@ -802,6 +833,8 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--target", default=d.target, help="known model name or HF directory")
     ap.add_argument("--draft", default=d.draft, help="known model name or HF directory")
+    ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
+    ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=d.out, help="result name: <out-dir>/<out>-<stamp>.json")
     ap.add_argument("--out-dir", default=d.out_dir)

@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate | fetch | demo``."""
+"""Command line: ``specdec generate | fetch | demo | train-mtp``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,36 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     demo.add_argument("--dtype", default="bfloat16")
     demo.add_argument("--threads", type=int, default=None)
+
+    mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
+    mtp.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
+    mtp.add_argument("--out", required=True, help="directory for the head, checkpoints and logs")
+    mtp.add_argument("--data", action="append", default=[], help="text file, directory or glob (repeatable)")
+    mtp.add_argument("--self-distill", type=int, default=0, metavar="N", help="train on N sampled generations of the target")
+    mtp.add_argument("--distill-prompt", action="append", default=[], help="prompt for self-distillation (repeatable; default BOS)")
+    mtp.add_argument("--distill-tokens", type=int, default=256)
+    mtp.add_argument("--chunk-len", type=int, default=256)
+    mtp.add_argument("--max-chunks", type=int, default=None)
+    mtp.add_argument("--max-bytes", type=int, default=None)
+    mtp.add_argument("--val-prompt", action="append", default=[], help="held-out prompt (default: beginnings of held-out chunks)")
+    mtp.add_argument("--val-k", type=int, default=1)
+    mtp.add_argument("--val-tokens", type=int, default=64)
+    mtp.add_argument("--steps", type=int, default=1000)
+    mtp.add_argument("--batch-size", type=int, default=8)
+    mtp.add_argument("--lr", type=float, default=1e-3)
+    mtp.add_argument("--warmup-steps", type=int, default=50)
+    mtp.add_argument("--hidden-loss-weight", type=float, default=1.0)
+    mtp.add_argument("--no-input-norms", action="store_true", help="drop the head's enorm/hnorm")
+    mtp.add_argument("--no-init-from-last-layer", action="store_true")
+    mtp.add_argument("--vocab", choices=("data", "full"), default="data")
+    mtp.add_argument("--val-every", type=int, default=200)
+    mtp.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (saves the head)")
+    mtp.add_argument("--seed", type=int, default=0)
+    mtp.add_argument("--features", default=None, help="feature cache directory (default OUT/features)")
+    mtp.add_argument("--eval-only", action="store_true", help="measure the head in OUT on the held-out prompts")
+    mtp.add_argument("--dtype", default="bfloat16")
+    mtp.add_argument("--device", default="cpu")
+    mtp.add_argument("--threads", type=int, default=None)
     return parser
 
 
@@ -83,7 +113,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specdec.demo import run_demo
 
         return run_demo(args)
+    if args.command == "train-mtp":
+        return _train_mtp(args)
     return 2
+
+
+def _train_mtp(args: argparse.Namespace) -> int:
+    from specdec.training.mtp import MTPTrainConfig
+    from specdec.training.pipeline import train_mtp_pipeline
+
+    config = MTPTrainConfig(  # validates every number before any model is loaded
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        hidden_loss_weight=args.hidden_loss_weight,
+        use_input_norms=not args.no_input_norms,
+        init_from_last_layer=not args.no_init_from_last_layer,
+        vocab=args.vocab,
+        val_every=args.val_every,
+        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        seed=args.seed,
+    )
+    train_mtp_pipeline(
+        args.target,
+        args.out,
+        data=args.data,
+        self_distill_samples=args.self_distill,
+        distill_prompts=args.distill_prompt,
+        distill_tokens=args.distill_tokens,
+        chunk_len=args.chunk_len,
+        max_chunks=args.max_chunks,
+        max_bytes=args.max_bytes,
+        val_prompts=args.val_prompt,
+        val_k=args.val_k,
+        val_tokens=args.val_tokens,
+        config=config,
+        dtype=args.dtype,
+        device=args.device,
+        features_dir=args.features,
+        eval_only=args.eval_only,
+    )
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

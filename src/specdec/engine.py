@@ -7,6 +7,10 @@ every running request (pages past that are released).
 
 Failures are contained to the requests they concern (see :meth:`Engine.step`): a step never
 raises for them, and a failed request frees its pages and proposer state at once.
+
+How many tokens each request drafts is the speculation policy's choice (:mod:`specdec.policy`),
+made before every decode-only step from what the engine reports back: the seconds of each
+step's target work and of each ``propose`` call, and every request's accepted drafts.
 """
 
 from __future__ import annotations
@@ -22,16 +26,19 @@ from specdec.interfaces import (
     ProposeContext,
     Proposer,
     Sampler,
+    SpeculationContext,
+    SpeculationPolicy,
     TargetStep,
     Verifier,
 )
 from specdec.kv.paged import ModelKV
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
+from specdec.policy import AdaptivePolicy
 from specdec.request import FinishReason, Request, RequestError, TokenLogprob
 from specdec.sampling import SamplingTensors, logprobs_of
 from specdec.scheduler import BatchScheduler, ScheduledBatch
-from specdec.types import DraftProposal, ProposalKind, StepOutput
+from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, StepOutput
 
 __all__ = ["Engine"]
 
@@ -51,6 +58,7 @@ class Engine:
         proposer: Proposer | None = None,
         proposer_kv: ModelKV | None = None,
         num_speculative_tokens: int = 0,
+        policy: SpeculationPolicy | None = None,
     ) -> None:
         self.target = target
         self.target_kv = target_kv
@@ -61,7 +69,11 @@ class Engine:
         self.proposer = proposer
         self.proposer_kv = proposer_kv
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.policy = None if proposer is None else (policy or AdaptivePolicy())
         self.metrics = SpecMetrics()
+        # seq_id -> history length when the request last drafted: the proposer has seen that
+        # much of it in propose calls (SpeculationContext.unseen is the rest).
+        self._seen: dict[int, int] = {}
 
     # ------------------------------------------------------------------ step
     def step(self) -> StepOutput:
@@ -86,19 +98,29 @@ class Engine:
             self._release_proposer(req)
         if batch.empty:
             return StepOutput.empty()
-        start = time.perf_counter()
+        timing = _StepTiming()
+        start = self._clock()
         try:
             if batch.decode_only and batch.lookahead > 0:
-                out = self._speculative_step(batch)
+                out = self._speculative_step(batch, timing)
             else:
-                out = self._plain_step(batch)
+                out = self._plain_step(batch, timing)
         except Exception as exc:  # noqa: BLE001 - contained: fails this batch's requests
             out = self._fail_batch(batch.requests, exc)
-        elapsed = time.perf_counter() - start
+            timing.rows = 0  # a failed step's time says nothing about step costs
+        elapsed = self._clock() - start
         self.metrics.elapsed_s += elapsed
         for req in batch.requests:
             req.metrics.elapsed_s += elapsed
+        if self.policy is not None and timing.rows:
+            self.policy.observe_target(timing.rows, elapsed - timing.draft_s)
         return out
+
+    def _clock(self) -> float:
+        """Seconds, after the device has finished its queued work (CUDA runs asynchronously)."""
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
 
     def fail(self, req: Request, error: BaseException) -> None:
         """End ``req`` with ``error``; its pages and proposer state are released at once."""
@@ -123,7 +145,7 @@ class Engine:
         )
 
     # ------------------------------------------------------------ plain step
-    def _plain_step(self, batch: ScheduledBatch) -> StepOutput:
+    def _plain_step(self, batch: ScheduledBatch, timing: _StepTiming) -> StepOutput:
         reqs = batch.requests
         rows = [req.token_ids[req.num_computed :] for req in reqs]
         starts = [req.num_computed for req in reqs]
@@ -131,6 +153,7 @@ class Engine:
         layout = self.target_kv.layout(
             [r.seq_id for r in reqs], rows, starts, device=self.target.device
         )
+        timing.rows = layout.num_tokens
         plan = self.backend.plan(layout, self.target.config.attention_spec)
         out = self.target(
             layout,
@@ -170,31 +193,55 @@ class Engine:
         )
 
     # ------------------------------------------------------ speculative step
-    def _speculative_step(self, batch: ScheduledBatch) -> StepOutput:
+    def _speculative_step(self, batch: ScheduledBatch, timing: _StepTiming) -> StepOutput:
         reqs = batch.requests
         # Drafting past a request's remaining budget is wasted work: the last emitted token
         # is always the target's own, so at most remaining - 1 drafts can be kept.
-        caps = [max(0, r.remaining() - 1) for r in reqs]
-        lookahead = min(batch.lookahead, max(caps))
+        caps = tuple(max(0, r.remaining() - 1) for r in reqs)
+        unseen = tuple(len(r.token_ids) - self._seen.get(r.seq_id, 0) for r in reqs)
+        ctx = SpeculationContext(
+            seq_ids=tuple(r.seq_id for r in reqs),
+            params=tuple(r.params for r in reqs),
+            caps=caps,
+            unseen=unseen,
+            max_k=batch.lookahead,
+        )
+        ks = _check_ks(self.policy.choose(ctx), caps, batch.lookahead)
+        for req, k in zip(reqs, ks):
+            req.metrics.record_k(k)
+            self.metrics.record_k(k)
+        lookahead = max(ks)
         if lookahead == 0:
-            return self._plain_step(batch)
+            return self._plain_step(batch, timing)
+        # Only the requests that draft go to the proposer; the others take a plain step inside
+        # the same verify pass (zero drafts).
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        start = self._clock()
         proposal = self.proposer.propose(
             ProposeContext(
-                seq_ids=tuple(r.seq_id for r in reqs),
-                token_ids=tuple(r.token_ids for r in reqs),
-                params=tuple(r.params for r in reqs),
-                generators=tuple(r.generator for r in reqs),
+                seq_ids=tuple(reqs[i].seq_id for i in drafting),
+                token_ids=tuple(reqs[i].token_ids for i in drafting),
+                params=tuple(reqs[i].params for i in drafting),
+                generators=tuple(reqs[i].generator for i in drafting),
                 num_speculative_tokens=lookahead,
                 kv=self.proposer_kv,
                 backend=self.backend,
                 device=self.target.device,
             )
         )
-        _check_proposal(proposal, len(reqs), lookahead)
-        if any(n > c for n, c in zip(proposal.num_draft_tokens, caps)):
-            capped = tuple(min(n, c) for n, c in zip(proposal.num_draft_tokens, caps))
+        _check_proposal(proposal, len(drafting), lookahead)
+        drafted = proposal.draft_token_ids.tolist()  # host sync: the drafting is done
+        timing.draft_s = self._clock() - start
+        self.policy.observe_propose(
+            len(drafting), lookahead, timing.draft_s, sum(unseen[i] for i in drafting)
+        )
+        proposal = _spread(proposal, drafting, len(reqs))
+        drafts = [[PAD_TOKEN_ID] * proposal.width for _ in reqs]
+        for row, i in zip(drafted, drafting):
+            drafts[i] = row
+        if any(n > k for n, k in zip(proposal.num_draft_tokens, ks)):
+            capped = tuple(min(n, k) for n, k in zip(proposal.num_draft_tokens, ks))
             proposal = attrs.evolve(proposal, num_draft_tokens=capped)
-        drafts = proposal.draft_token_ids.tolist()
         num_draft = proposal.num_draft_tokens
         _check_draft_ids(drafts, num_draft, self.target.config.vocab_size)
         starts = [len(r.token_ids) - 1 for r in reqs]
@@ -211,6 +258,7 @@ class Engine:
             tree_masks=tree_masks,
             device=self.target.device,
         )
+        timing.rows = layout.num_tokens
         plan = self.backend.plan(layout, self.target.config.attention_spec)
         out = self.target(layout, self.target_kv, self.backend, plan, return_hidden=want_hidden)
         width = proposal.width
@@ -243,6 +291,9 @@ class Engine:
             kept = _append(req, kept_tokens[i], i, errors)
             req.num_computed = len(req.token_ids) - 1
             req.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
+            self.policy.observe_verify(req.seq_id, num_draft[i], result.num_accepted[i])
+            if ks[i] > 0:
+                self._seen[req.seq_id] = len(req.token_ids)
             req.metrics.num_target_forwards += 1
             req.metrics.num_generated_tokens += kept
             self.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
@@ -360,6 +411,61 @@ class Engine:
     def _release_proposer(self, req: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(req.seq_id)
+            self.policy.release(req.seq_id)
+            self._seen.pop(req.seq_id, None)
+
+
+@attrs.define
+class _StepTiming:
+    """What one step reports to the policy: the target pass's rows, the seconds drafting took."""
+
+    rows: int = 0
+    draft_s: float = 0.0
+
+
+def _check_ks(ks: object, caps: Sequence[int], max_k: int) -> tuple[int, ...]:
+    """A policy's choice must fit the step; a misbehaving plug-in fails the batch here."""
+    try:
+        ks = tuple(ks)
+    except TypeError:
+        raise TypeError(
+            f"policy.choose must return a sequence of ints, got {type(ks).__name__}"
+        ) from None
+    if len(ks) != len(caps) or any(
+        isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= min(c, max_k)
+        for k, c in zip(ks, caps)
+    ):
+        raise ValueError(
+            f"policy chose k = {ks}; allowed one int per request in 0..min(cap, {max_k}), "
+            f"caps {tuple(caps)}"
+        )
+    return ks
+
+
+def _spread(proposal: DraftProposal, rows: Sequence[int], batch: int) -> DraftProposal:
+    """The proposal of a sub-batch as one of the whole batch: sub-batch row ``j`` becomes row
+    ``rows[j]``; the other rows draft nothing."""
+    if len(rows) == batch:
+        return proposal
+    index = torch.tensor(list(rows), dtype=torch.int64, device=proposal.draft_token_ids.device)
+
+    def spread(values: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        if values is None:
+            return None
+        out = torch.full((batch, *values.shape[1:]), fill, dtype=values.dtype, device=values.device)
+        out[index.to(values.device)] = values
+        return out
+
+    counts = [0] * batch
+    for j, i in enumerate(rows):
+        counts[i] = proposal.num_draft_tokens[j]
+    return attrs.evolve(
+        proposal,
+        draft_token_ids=spread(proposal.draft_token_ids, PAD_TOKEN_ID),  # [batch, width] int64
+        num_draft_tokens=tuple(counts),
+        draft_probs=spread(proposal.draft_probs, 0.0),  # [batch, width, vocab]
+        parents=spread(proposal.parents, -1),  # [batch, width] int64
+    )
 
 
 def _isolate_non_finite(

@@ -18,12 +18,13 @@ from specdec.attention import default_backend
 from specdec.config import CacheConfig, SamplingParams
 from specdec.engine import Engine
 from specdec.handle import RequestHandle
-from specdec.interfaces import Proposer, Verifier
+from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
+from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.request import FinishReason, Request, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
 from specdec.scheduler import BatchScheduler
@@ -50,6 +51,10 @@ class GenerationOutput:
 class Generator:
     """Plain or speculative generation over one target model.
 
+    With a proposer, ``policy`` chooses how many tokens each request drafts per step:
+    ``AdaptivePolicy()`` by default (k from measured step costs and acceptance, 0 where
+    speculation does not pay), ``FixedPolicy(k)`` or just an int ``k`` to fix it.
+
     Example:
         >>> gen = Generator.from_pretrained("path/to/target", dtype="bfloat16")
         >>> gen.generate("def fib(n):", SamplingParams(max_new_tokens=32)).text
@@ -65,10 +70,12 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         backend: object | None = None,
         verifier: Verifier | None = None,
+        policy: SpeculationPolicy | int | None = None,
     ) -> None:
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
         _check_components(proposer, verifier, cache_config)
+        policy = _resolve_policy(policy, proposer)
         cache_config = cache_config or CacheConfig()
         self.target = target
         self.tokenizer = tokenizer
@@ -88,6 +95,9 @@ class Generator:
         target_kv = self.kv.add_pool(cfg.kv_spec("target", target.dtype), target.device)
         proposer_kv = None
         if proposer is not None:
+            attach = getattr(proposer, "attach", None)
+            if attach is not None:  # proposers built on the target (MTP/EAGLE heads) bind to it
+                attach(target)
             specs = proposer.kv_specs()
             if len(specs) > 1:
                 raise ValueError("a proposer may declare at most one KV pool")
@@ -108,6 +118,7 @@ class Generator:
             proposer=proposer,
             proposer_kv=proposer_kv,
             num_speculative_tokens=k,
+            policy=policy,
         )
         self._next_seq_id = 0
         self._num_steps = 0
@@ -122,9 +133,11 @@ class Generator:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "bfloat16",
         cache_config: CacheConfig | None = None,
+        policy: SpeculationPolicy | int | None = None,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
+        _resolve_policy(policy, proposer)
         model, _, path = load_model(target, dtype=dtype, device=device)
         tokenizer = load_tokenizer(path)
         return cls(
@@ -133,6 +146,7 @@ class Generator:
             proposer=proposer,
             cache_config=cache_config,
             eos_token_ids=_eos_ids(path, model, tokenizer),
+            policy=policy,
         )
 
     @classmethod
@@ -145,6 +159,7 @@ class Generator:
         cache_config: CacheConfig | None = None,
         eos_token_ids: Sequence[int] | None = None,
         verifier: Verifier | None = None,
+        policy: SpeculationPolicy | int | None = None,
     ) -> Generator:
         """Build from objects already in memory (tests, notebooks, custom models)."""
         return cls(
@@ -154,19 +169,26 @@ class Generator:
             cache_config=cache_config,
             eos_token_ids=eos_token_ids,
             verifier=verifier,
+            policy=policy,
         )
 
     def with_proposer(
-        self, proposer: Proposer | None, *, cache_config: CacheConfig | None = None
+        self,
+        proposer: Proposer | None,
+        *,
+        cache_config: CacheConfig | None = None,
+        policy: SpeculationPolicy | int | None = None,
     ) -> Generator:
         """A generator sharing this one's target weights, tokenizer and EOS ids, with another
-        proposer (``None``: plain decoding) and its own KV cache."""
+        proposer (``None``: plain decoding), its own KV cache and its own speculation policy
+        (a fresh ``AdaptivePolicy()`` unless ``policy`` is given)."""
         return Generator(
             target=self.target,
             tokenizer=self.tokenizer,
             proposer=proposer,
             cache_config=cache_config or self.cache_config,
             eos_token_ids=sorted(self.eos_token_ids),
+            policy=policy,
         )
 
     # ------------------------------------------------------------- generation
@@ -292,6 +314,11 @@ class Generator:
     def metrics(self) -> SpecMetrics:
         """Totals over every request this generator has run."""
         return self.engine.metrics
+
+    @property
+    def policy(self) -> SpeculationPolicy | None:
+        """The speculation policy (``None`` without a proposer)."""
+        return self.engine.policy
 
     def kv_stats(self) -> dict[str, int]:
         """``num_free_pages``, ``num_total_pages`` and more, from the one page allocator."""
@@ -439,6 +466,32 @@ def _check_components(
         )
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+
+
+def _resolve_policy(policy: object, proposer: Proposer | None) -> SpeculationPolicy | None:
+    """The policy to use (``AdaptivePolicy()`` by default, an int ``k`` as ``FixedPolicy(k)``);
+    TypeError/ValueError naming ``policy`` otherwise. ``proposer`` is already checked."""
+    if policy is None:
+        return None if proposer is None else AdaptivePolicy()
+    if proposer is None:
+        raise ValueError(
+            f"policy={policy!r} needs a proposer: it chooses how many tokens the proposer drafts"
+        )
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 0:
+            raise ValueError(f"policy as an int is a fixed k and must be >= 0, got {policy}")
+        policy = FixedPolicy(policy)
+    if not isinstance(policy, SpeculationPolicy):
+        raise TypeError(
+            "policy must be a SpeculationPolicy (AdaptivePolicy(), FixedPolicy(k)) or an int k, "
+            f"got {type(policy).__name__}"
+        )
+    k = proposer.num_speculative_tokens
+    if isinstance(policy, FixedPolicy) and policy.k > k:
+        raise ValueError(
+            f"policy FixedPolicy({policy.k}) drafts more than proposer.num_speculative_tokens ({k})"
+        )
+    return policy
 
 
 def _check_params(params: SamplingParams | None) -> SamplingParams:

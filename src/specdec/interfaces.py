@@ -28,6 +28,8 @@ __all__ = [
     "Verifier",
     "Sampler",
     "Scheduler",
+    "SpeculationContext",
+    "SpeculationPolicy",
 ]
 
 
@@ -119,6 +121,9 @@ class Proposer(Protocol):
     target pass, speculative or not) -> ... -> ``release`` when the sequence ends (finished,
     cancelled, failed or preempted). Proposers keep per-sequence state keyed by sequence id and
     must roll it back to the target's committed length in ``on_target_step``.
+
+    Optional: ``attach(target)``; a Generator calls it (before ``kv_specs``) with its target
+    model, for proposers that borrow the target's weights (MTP and EAGLE heads).
     """
 
     kind: ProposalKind
@@ -178,3 +183,55 @@ class Scheduler(Protocol):
     def abort(self, seq_id: int) -> None: ...
 
     def has_unfinished(self) -> bool: ...
+
+
+@attrs.frozen(eq=False)
+class SpeculationContext:
+    """What a :class:`SpeculationPolicy` may read to choose this step's k per request.
+
+    ``caps[i]`` is the most drafts request ``i`` can keep (its remaining token budget minus the
+    target's own token); ``unseen[i]`` counts the tokens of its history that the proposer has not
+    been shown in a ``propose`` call (all of them before its first draft, then those emitted in
+    steps where it drafted nothing): a stateful proposer (a draft model) must catch up on them.
+    """
+
+    seq_ids: tuple[int, ...]
+    params: tuple[SamplingParams, ...]
+    caps: tuple[int, ...]
+    unseen: tuple[int, ...]
+    max_k: int  # this step's widest allowed draft (the proposer's k, or 0 when pages are short)
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    """Chooses, per decode step, how many tokens each request drafts (0: speculation off).
+
+    The engine asks :meth:`choose` before every decode-only step and reports what the step
+    cost and how the drafts fared. All zeros make the step a plain decode step; otherwise only
+    the requests with ``k > 0`` are sent to the proposer, drafting ``max(k)`` tokens, each
+    request keeping at most its own ``k``. Greedy output does not depend on the choices.
+    Implementations: :class:`specdec.policy.AdaptivePolicy` (the default) and
+    :class:`specdec.policy.FixedPolicy`.
+    """
+
+    def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:
+        """One k per request, each in ``0 .. min(ctx.max_k, ctx.caps[i])``."""
+        ...
+
+    def observe_target(self, rows: int, seconds: float) -> None:
+        """A step's target pass ran ``rows`` query rows; the step took ``seconds`` apart from
+        drafting (prefill, plain decode and verification steps alike)."""
+        ...
+
+    def observe_propose(self, batch: int, width: int, seconds: float, unseen: int) -> None:
+        """``propose`` drafted ``width`` tokens for ``batch`` requests in ``seconds``; they had
+        ``unseen`` history tokens in total to catch up on."""
+        ...
+
+    def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        """The verifier kept ``num_accepted`` of the request's ``num_drafted`` drafts."""
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """The request ended (finished, cancelled, failed or preempted)."""
+        ...

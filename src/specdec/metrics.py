@@ -15,6 +15,12 @@ class SpecMetrics:
     verification steps / verification steps (it counts the bonus or recovered token, as vLLM and
     the EAGLE papers do; plain decoding has 1.0). ``accepted_per_position[j]`` counts how often
     draft position ``j`` was accepted, ``drafted_per_position[j]`` how often it was drafted.
+
+    ``k_histogram[k]`` counts the decode steps in which the speculation policy chose ``k``
+    drafts for the request (``0``: speculation off that step; a request's decode steps at k = 0
+    are plain decode steps, or rows without drafts inside a verify pass). Only decode-only steps
+    of a generator with a proposer are counted; prefill and mixed steps are not. The number of
+    tokens actually drafted can be lower than the chosen k (a prompt-lookup miss).
     """
 
     num_generated_tokens: int = 0
@@ -55,13 +61,22 @@ class SpecMetrics:
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.num_emitted_in_verify += num_emitted
-        self.k_histogram[num_drafted] = self.k_histogram.get(num_drafted, 0) + 1
         _grow(self.drafted_per_position, num_drafted)
         _grow(self.accepted_per_position, num_drafted)
         for j in range(num_drafted):
             self.drafted_per_position[j] += 1
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1
+
+    def record_k(self, k: int) -> None:
+        """Count one decode step in which the policy chose ``k`` drafts for the request."""
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+
+    @property
+    def mean_k(self) -> float:
+        """Mean chosen k over the counted decode steps (0.0 when none were counted)."""
+        steps = sum(self.k_histogram.values())
+        return sum(k * n for k, n in self.k_histogram.items()) / steps if steps else 0.0
 
     def merge(self, other: SpecMetrics) -> None:
         """Add ``other``'s counts into this one (generator totals from request metrics)."""
@@ -91,7 +106,9 @@ class SpecMetrics:
             mean_accepted_length=self.mean_accepted_length,
             tokens_per_second=self.tokens_per_second,
             per_position_acceptance=self.per_position_acceptance,
+            mean_k=self.mean_k,
         )
+        d["k_histogram"] = dict(sorted(self.k_histogram.items()))
         return d
 
 

@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from specdec import CacheConfig, Generator, SamplingParams
+from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.models.loading import load_model
 from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
 from specdec.types import DraftProposal, ProposalKind
@@ -645,7 +645,7 @@ def test_error_inside_a_step_leaves_nothing_behind(target, reference, fault, fai
     draft = DraftModel.from_model(perturbed(target), num_speculative_tokens=3)
     proposer = Faulty(draft, fault, fail_at=fail_at)
     gen = Generator.from_components(
-        target, proposer=proposer, cache_config=CacheConfig(page_size=4)
+        target, proposer=proposer, cache_config=CacheConfig(page_size=4), policy=FixedPolicy(3)
     )
     error, match = FAULTS[fault]
     with pytest.raises(error, match=match):
@@ -668,7 +668,7 @@ def test_error_inside_a_step_leaves_nothing_behind(target, reference, fault, fai
 def test_error_in_the_verifier_leaves_nothing_behind(target, reference):
     verifier = RaisingVerifier()
     gen = Generator.from_components(
-        target, proposer=PromptLookup(num_speculative_tokens=3), verifier=verifier
+        target, proposer=PromptLookup(num_speculative_tokens=3), verifier=verifier, policy=3
     )
     with pytest.raises(RuntimeError, match="verifier exploded"):
         gen.generate([p * 3 for p in PROMPTS], GREEDY)

@@ -16,7 +16,7 @@ from helpers import perturbed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec import CacheConfig, Generator, RequestError, RequestHandle, SamplingParams
+from specdec import CacheConfig, FixedPolicy, Generator, RequestError, RequestHandle, SamplingParams
 from specdec.models.loading import load_model
 from specdec.proposers import DraftModel
 
@@ -55,8 +55,13 @@ def alone(target):
 
 def make_gen(target, draft=None, **cache) -> Generator:
     proposer = None if draft is None else DraftModel.from_model(draft, num_speculative_tokens=K)
+    # A fixed k: these tests compare step counts and outputs between generators, and the
+    # adaptive policy's choices follow wall-clock timings.
     return Generator.from_components(
-        target, proposer=proposer, cache_config=CacheConfig(**cache) if cache else None
+        target,
+        proposer=proposer,
+        cache_config=CacheConfig(**cache) if cache else None,
+        policy=None if proposer is None else FixedPolicy(K),
     )
 
 
@@ -387,7 +392,10 @@ class ExplodingDraft(DraftModel):
 def test_proposer_exception_fails_its_batch_only(target, draft, alone):
     proposer = ExplodingDraft(draft, fail_at=2)
     gen = Generator.from_components(
-        target, proposer=proposer, cache_config=CacheConfig(page_size=4, max_batch_size=2)
+        target,
+        proposer=proposer,
+        cache_config=CacheConfig(page_size=4, max_batch_size=2),
+        policy=FixedPolicy(K),  # the proposer must be called on step 2
     )
     handles = [gen.submit(p, GREEDY) for p in PROMPTS]
     while gen.scheduler.has_unfinished():
@@ -426,7 +434,7 @@ def test_nan_draft_probabilities_fail_only_their_request(target, draft, alone):
     params = [GREEDY, GREEDY, sampled, GREEDY]
     proposer = NaNDraftProbs(draft, seq_id=2)
     gen = Generator.from_components(
-        target, proposer=proposer, cache_config=CacheConfig(page_size=4)
+        target, proposer=proposer, cache_config=CacheConfig(page_size=4), policy=FixedPolicy(K)
     )
     handles = [gen.submit(p, sp) for p, sp in zip(PROMPTS, params)]
     with pytest.raises(RequestError, match="request 2: draft probabilities are not finite"):

@@ -18,17 +18,20 @@ which merely reshuffles the random streams makes the correct rule fail.
 from __future__ import annotations
 
 import copy
+import sys
 from unittest import mock
 
+import attrs
 import pytest
 import torch
 from conftest import make_hf_model
 from helpers import chi_square_pvalue
 
 from specdec import CacheConfig, Generator, SamplingParams
+from specdec.models.heads import MTPHeadConfig, MTPHeadModel
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
-from specdec.proposers import DraftModel
+from specdec.proposers import DraftModel, MTPHead
 from specdec.sampling import SamplingTensors, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
@@ -45,8 +48,9 @@ CASES = {
     "t1.0-k3": (dict(temperature=1.0), 3),
 }
 STATISTICS = ("position 1", "position 2", "position 3", "joint 2-3", "joint 1-2-3")
+PROPOSERS = ("draft", "mtp")
 # Family-wise 1e-3 over every test of the correct rule, by Bonferroni.
-ALPHA = 1e-3 / (len(CASES) * len(STATISTICS))
+ALPHA = 1e-3 / (len(CASES) * len(PROPOSERS) * len(STATISTICS))
 
 
 
@@ -60,6 +64,20 @@ def _specdec_model(hf_model):
 @pytest.fixture(scope="module")
 def models():
     return build_models()
+
+
+def build_head(target) -> MTPHeadModel:
+    """A random float64 MTP head on the specdec target (it drafts from its own distribution,
+    overlapping the target's by roughly half on this 12-token vocabulary)."""
+    torch.manual_seed(2)
+    head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config))
+    return head.to(F64).eval().requires_grad_(False)
+
+
+def _proposer(models, kind: str, k: int):
+    if kind == "draft":
+        return DraftModel.from_model(models[2], num_speculative_tokens=k)
+    return MTPHead.from_model(build_head(models[1]), num_speculative_tokens=k)
 
 
 def build_models():
@@ -98,18 +116,18 @@ def exact_joint(hf_target, params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample(models, case: str, verifier=None) -> tuple[torch.Tensor, Generator]:
+def sample(models, case: str, verifier=None, proposer: str = "draft") -> tuple[torch.Tensor, Generator]:
     """[NUM_RUNS, 3] int64 tokens emitted by NUM_RUNS seeded sampled requests through the engine.
 
     Every batch also carries greedy requests, which must come out as plain greedy decoding.
     Each generate() call admits its whole batch in one prefill step, and no request waits, so
     every later step is decode-only and speculates.
     """
-    _, target, draft = models
+    target = models[1]
     k = CASES[case][1]
     gen = Generator.from_components(
         target,
-        proposer=DraftModel.from_model(draft, num_speculative_tokens=k),
+        proposer=_proposer(models, proposer, k),
         # Twice the pages a batch needs: admission keeps a page of headroom per running
         # request, and with fewer pages part of the batch would be admitted by a later
         # (mixed, non-speculative) step.
@@ -117,6 +135,7 @@ def sample(models, case: str, verifier=None) -> tuple[torch.Tensor, Generator]:
             max_batch_size=BATCH, max_num_tokens=len(PROMPT) + 5, page_size=16, num_pages=2 * BATCH
         ),
         verifier=verifier,
+        policy=k,  # a fixed k: every decode step verifies drafts at positions 2-3
     )
     plain_greedy = Generator.from_components(target).generate(PROMPT, _params(case, None)).token_ids
     sampled: list[list[int]] = []
@@ -138,10 +157,10 @@ def sample(models, case: str, verifier=None) -> tuple[torch.Tensor, Generator]:
     return torch.tensor(sampled), gen
 
 
-def run_case(models, case: str, verifier=None) -> tuple[dict[str, float], Generator]:
+def run_case(models, case: str, verifier=None, proposer: str = "draft") -> tuple[dict[str, float], Generator]:
     """Chi-square p-value of each statistic against the exact target distribution."""
     joint = exact_joint(models[0], SamplingParams(**CASES[case][0]))
-    tokens, gen = sample(models, case, verifier)
+    tokens, gen = sample(models, case, verifier, proposer)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=F64)
     counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=F64), accumulate=True)
     result = {
@@ -155,9 +174,10 @@ def run_case(models, case: str, verifier=None) -> tuple[dict[str, float], Genera
     return result, gen
 
 
+@pytest.mark.parametrize("proposer", ["draft", "mtp"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_generator_output_matches_the_target_distribution(models, case):
-    result, gen = run_case(models, case)
+def test_generator_output_matches_the_target_distribution(models, case, proposer):
+    result, gen = run_case(models, case, proposer=proposer)
     assert min(result.values()) > ALPHA, result
     # Both branches of the rule were exercised, at the draft positions that feed positions 2-3.
     m = gen.metrics
@@ -206,4 +226,24 @@ BUGS = {
 def test_the_check_rejects_a_buggy_verifier(models, bug, case):
     result, _ = run_case(models, case, verifier=BuggyVerifier(*BUGS[bug]))
     assert result["position 1"] > ALPHA  # prefill sampling does not go through the verifier
+    assert min(result.values()) < ALPHA, result
+
+
+class OffByOneMTPHead(MTPHead):
+    """Plausible proposer bug: each draft reported with the distribution of the *next*
+    position (an off-by-one in the per-position probabilities) instead of its own."""
+
+    def propose(self, ctx):
+        out = super().propose(ctx)
+        shifted = torch.roll(out.draft_probs, shifts=-1, dims=1)
+        return attrs.evolve(out, draft_probs=shifted)
+
+
+def test_the_check_rejects_an_mtp_head_that_misreports_its_distribution(models, monkeypatch):
+    monkeypatch.setattr(
+        sys.modules[__name__],
+        "_proposer",
+        lambda models, kind, k: OffByOneMTPHead.from_model(build_head(models[1]), num_speculative_tokens=k),
+    )
+    result, _ = run_case(models, "t1.0-k3", proposer="mtp")
     assert min(result.values()) < ALPHA, result

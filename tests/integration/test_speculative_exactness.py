@@ -1,4 +1,7 @@
-"""Speculative greedy output equals plain greedy output, token for token, for every proposer."""
+"""Speculative greedy output equals plain greedy output, token for token, for every proposer.
+
+These tests pin k with ``FixedPolicy`` (they count drafts and accepted lengths at a known k);
+tests/integration/test_adaptive_policy.py covers the default adaptive policy."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 from helpers import perturbed
 
-from specdec import CacheConfig, Generator, SamplingParams
+from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.models.loading import load_model
 from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
 
@@ -33,7 +36,9 @@ def test_draft_model_greedy_exact_tiny_float64(tiny_pair, k):
     target, draft = tiny_pair
     prompts = _prompts(target.config.vocab_size, 5, seed=k)
     plain = Generator.from_components(target).generate(prompts, GREEDY)
-    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=k))
+    gen = Generator.from_components(
+        target, proposer=DraftModel.from_model(draft, num_speculative_tokens=k), policy=FixedPolicy(k)
+    )
     spec = gen.generate(prompts, GREEDY)  # one batch of mixed lengths
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     m = gen.metrics
@@ -47,7 +52,7 @@ def test_prompt_lookup_greedy_exact_tiny_float64(tiny_pair, k):
     base = _prompts(target.config.vocab_size, 4, seed=10 + k)
     prompts = [p + p + p for p in base]  # repetitive prompts give lookup something to find
     plain = Generator.from_components(target).generate(prompts, GREEDY)
-    gen = Generator.from_components(target, proposer=PromptLookup(num_speculative_tokens=k))
+    gen = Generator.from_components(target, proposer=PromptLookup(num_speculative_tokens=k), policy=FixedPolicy(k))
     spec = gen.generate(prompts, GREEDY)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert gen.metrics.num_drafted > 0
@@ -62,7 +67,8 @@ def test_draft_model_greedy_exact_stories_float32(stories_path):
     plain = plain_gen.generate(prompts, params)
     for k in (2, 4, 6):
         gen = Generator.from_components(
-            target, plain_gen.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=k)
+            target, plain_gen.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=k),
+            policy=FixedPolicy(k),
         )
         spec = gen.generate(prompts, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -73,7 +79,9 @@ def test_draft_model_greedy_exact_stories_float32(stories_path):
 def test_identical_draft_is_fully_accepted(tiny_pair, temperature):
     target, _ = tiny_pair
     k = 4
-    gen = Generator.from_components(target, proposer=DraftModel.from_model(target, num_speculative_tokens=k))
+    gen = Generator.from_components(
+        target, proposer=DraftModel.from_model(target, num_speculative_tokens=k), policy=FixedPolicy(k)
+    )
     # 1 token from prefill, then whole steps of k + 1: no step is cut by max_new_tokens.
     params = [
         SamplingParams(max_new_tokens=1 + 6 * (k + 1), temperature=temperature, seed=i, ignore_eos=True)
@@ -87,7 +95,7 @@ def test_identical_draft_is_fully_accepted(tiny_pair, temperature):
 def test_batch_matches_each_sequence_alone(tiny_pair):
     target, draft = tiny_pair
     prompts = _prompts(target.config.vocab_size, 6, seed=3)
-    make = lambda: Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=3))  # noqa: E731
+    make = lambda: Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=3), policy=FixedPolicy(3))  # noqa: E731
     batched = make().generate(prompts, GREEDY)
     for p, out in zip(prompts, batched):
         assert make().generate(p, GREEDY).token_ids == out.token_ids
@@ -101,7 +109,9 @@ def test_greedy_requests_exact_inside_a_sampled_batch(tiny_pair):
         for i in range(6)
     ]
     plain = Generator.from_components(target).generate(prompts, GREEDY)
-    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4))
+    gen = Generator.from_components(
+        target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4), policy=FixedPolicy(4)
+    )
     mixed = gen.generate(prompts, params)
     for i in range(0, 6, 2):
         assert mixed[i].token_ids == plain[i].token_ids
@@ -120,7 +130,7 @@ def test_user_defined_proposer_plugs_in(tiny_pair):
     target, _ = tiny_pair
     prompts = _prompts(target.config.vocab_size, 3, seed=6)
     plain = Generator.from_components(target).generate(prompts, GREEDY)
-    gen = Generator.from_components(target, proposer=EveryOtherRepeat(num_speculative_tokens=3))
+    gen = Generator.from_components(target, proposer=EveryOtherRepeat(num_speculative_tokens=3), policy=FixedPolicy(3))
     assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
     assert gen.metrics.num_drafted > 0
 
@@ -131,7 +141,8 @@ def test_logprobs_identical_with_and_without_speculation(stories_path):
     params = SamplingParams(max_new_tokens=40, logprobs=3, ignore_eos=True)
     plain = Generator.from_pretrained(stories_path, dtype="float32")
     spec = Generator.from_components(
-        target, plain.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=4)
+        target, plain.tokenizer, proposer=DraftModel.from_model(draft, num_speculative_tokens=4),
+        policy=FixedPolicy(4),
     )
     a = plain.generate("Once upon a time", params)
     b = spec.generate("Once upon a time", params)
@@ -153,6 +164,7 @@ def test_stop_string_inside_accepted_draft(stories_path):
     # An identical draft accepts everything, so the stop string lands inside an accepted draft.
     spec = Generator.from_components(
         target, plain.tokenizer, proposer=DraftModel.from_model(target, num_speculative_tokens=6),
+        policy=FixedPolicy(6),
         cache_config=CacheConfig(page_size=4),
     )
     a = plain.generate("Once upon a time", params)
@@ -178,7 +190,9 @@ def test_bf16_packed_speculation_is_exact(stories_path):
     prompts = [[1, 403, 407, 261, 378], [1, 365, 1100 % 512, 263]]
     params = SamplingParams(max_new_tokens=64, ignore_eos=True)
     plain = Generator.from_components(target).generate(prompts, params)
-    gen = Generator.from_components(target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4))
+    gen = Generator.from_components(
+        target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4), policy=FixedPolicy(4)
+    )
     spec = gen.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert gen.metrics.num_accepted > 0

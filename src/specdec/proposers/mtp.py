@@ -1,0 +1,205 @@
+"""MTP-head proposer: a one-layer head over the target's hidden states drafts a chain of k tokens.
+
+Per sequence the proposer keeps ``g``: the head's output at the last committed position, which
+predicts the token after the last emitted one (draft 1). Each step:
+
+- ``propose``: draft 1 comes from ``g``'s logits; drafts 2..k each take one head forward that
+  feeds the head's own previous output in place of the target's hidden state (unknown yet),
+  written to the head's KV at the slots the target will verify next.
+- ``on_target_step`` (after every target pass: prefill, plain decode, verify): re-run the head
+  over the rows the target kept, pairing the target's hidden state at row ``r`` with the
+  committed token after it. This overwrites the draft-time KV with states computed from the
+  target's (more accurate) hidden states, and yields the new ``g``.
+
+Verification and sampling are the chain verifier's and the sampler's. The head's KV pages come
+from the generator's shared allocator (same page ids as the target, its own one-layer pool).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import torch
+
+from specdec.config import positive_int
+from specdec.interfaces import ProposeContext, TargetStep
+from specdec.kv.paged import KVSpec
+from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
+from specdec.models.llama import LlamaModel
+from specdec.models.packed import linear_weights, pack_linears, should_pack
+from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs
+from specdec.types import DraftProposal, ProposalKind, pad_rows
+
+__all__ = ["MTPHead", "MTPHeadProposerConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class MTPHeadProposerConfig:
+    num_speculative_tokens: int = attrs.field(default=1, validator=positive_int)
+
+
+class MTPHead:
+    """Speculation with a trained MTP head (see :mod:`specdec.models.heads`).
+
+    Example:
+        >>> mtp = MTPHead.from_pretrained("heads/qwen-0.5b-mtp", num_speculative_tokens=2)
+        >>> gen = Generator.from_pretrained("qwen2.5-coder-0.5b-instruct", proposer=mtp)
+
+    ``from_pretrained`` reads and checks the head's files at once; the weights are placed on
+    the target when a Generator attaches the proposer (the head borrows the target's embedding
+    and LM head, so it cannot exist before the target does).
+    """
+
+    kind = ProposalKind.CHAIN
+    needs_target_hidden = True
+
+    def __init__(
+        self,
+        config: MTPHeadProposerConfig,
+        *,
+        head: MTPHeadModel | None = None,
+        path: Path | None = None,
+        draft_vocab: torch.Tensor | None = None,
+    ) -> None:
+        self.config = config
+        self.head = head
+        self._path = path
+        self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output at the last committed slot
+        # Drafting from a subset of the vocabulary (the tokens most frequent in training) cuts
+        # the LM-head product, the largest cost of a draft on a small target. Still lossless:
+        # the draft distribution is simply zero outside the subset, and verification uses it.
+        self._draft_vocab = draft_vocab  # [n] int64 token ids, or None for the whole vocabulary
+        self._sub_head: torch.nn.Module | None = None  # lm_head rows of _draft_vocab
+        if head is not None:
+            self._build_sub_head()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, num_speculative_tokens: int = 1, draft_vocab_size: int | None = None
+    ) -> MTPHead:
+        """``draft_vocab_size``: draft only from this many of the tokens most frequent in the
+        head's training data (``draft_vocab.safetensors`` beside the head); ``None``: all."""
+        config = MTPHeadProposerConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
+        path = Path(path).expanduser()
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"MTP head path {str(path)!r} has no {name}")
+        import json
+
+        try:
+            MTPHeadConfig.from_json(json.loads((path / "config.json").read_text()))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{str(path / 'config.json')!r} is not an MTP head config: {err}") from err
+        vocab = None if draft_vocab_size is None else load_draft_vocab(path, draft_vocab_size)
+        return cls(config, path=path, draft_vocab=vocab)
+
+    @classmethod
+    def from_model(
+        cls, head: MTPHeadModel, *, num_speculative_tokens: int = 1, draft_vocab: torch.Tensor | None = None
+    ) -> MTPHead:
+        config = MTPHeadProposerConfig(num_speculative_tokens=num_speculative_tokens)
+        return cls(config, head=head, draft_vocab=draft_vocab)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def attach(self, target: LlamaModel) -> None:
+        """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
+        if self.head is None:
+            self.head = load_mtp_head(self._path, target)
+            self._build_sub_head()
+        elif self.head.target is not target:
+            self.head.config.check_target(target.config)
+            if self.head.target.embed_tokens.weight is not target.embed_tokens.weight:
+                raise ValueError("this MTP head was built on another target model instance; load it with from_pretrained")
+
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        if self.head is None:
+            raise RuntimeError("MTPHead is not attached to a target yet (a Generator does that)")
+        return (self.head.kv_spec("mtp"),)
+
+    def _build_sub_head(self) -> None:
+        if self._draft_vocab is None:
+            return
+        vocab = self.head.target_config.vocab_size
+        ids = self._draft_vocab
+        if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
+        weight, _ = linear_weights(self.head.target.lm_head)
+        device = self.head.device
+        ids = ids.to(device)
+        sub = torch.nn.Linear(weight.shape[1], ids.numel(), bias=False, device=device, dtype=weight.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(weight.to(device)[ids])
+        holder = torch.nn.Sequential(sub).requires_grad_(False)
+        if should_pack(holder):
+            pack_linears(holder)
+        self._sub_head = holder[0]
+        self._draft_vocab = ids
+
+    def _draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden] -> [rows, vocab]`` float; ``-inf`` outside the draft vocabulary."""
+        if self._sub_head is None:
+            return self.head.logits(g)
+        sub = self._sub_head(self.head.norm(g).to(self.head.target.dtype)).float()  # [rows, n]
+        full = sub.new_full((sub.shape[0], self.head.target_config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self._draft_vocab, sub)
+
+    # --------------------------------------------------------------- drafting
+    def propose(self, ctx: ProposeContext) -> DraftProposal:
+        k = ctx.num_speculative_tokens
+        batch = len(ctx.seq_ids)
+        live = [i for i, s in enumerate(ctx.seq_ids) if s in self._g]  # all of them, normally
+        drafts = [[] for _ in range(batch)]
+        all_greedy = all(p.is_greedy for p in ctx.params)
+        probs_out = None if all_greedy else torch.zeros(batch, k, self.head.target_config.vocab_size, device=ctx.device)
+        if live:
+            seq_ids = [ctx.seq_ids[i] for i in live]
+            params = [ctx.params[i] for i in live]
+            gens = [ctx.generators[i] for i in live]
+            st = None if all_greedy else SamplingTensors.from_params(params, self.head.device)
+            g = torch.stack([self._g[s] for s in seq_ids])  # [live, hidden]
+            slots = [len(ctx.token_ids[i]) - 1 for i in live]  # the next verify pass's first slot
+            spec = self.head.target_config.attention_spec
+            tokens = torch.empty(0, dtype=torch.int64)  # [live] the previous position's drafts
+            for j in range(k):
+                if j > 0:  # feed the head its own output and the draft just made
+                    layout = ctx.kv.layout(seq_ids, [[t] for t in tokens.tolist()], [s + j - 1 for s in slots], device=self.head.device)
+                    plan = ctx.backend.plan(layout, spec)
+                    g = self.head(g, layout.token_ids, layout.positions, ctx.kv, ctx.backend, plan)
+                logits = self._draft_logits(g)  # [live, vocab]
+                if all_greedy:
+                    tokens = logits.argmax(dim=-1)
+                else:
+                    step_probs = processed_probs(logits, st)
+                    tokens = sample_from_probs(step_probs, gens)
+                    probs_out[live, j] = step_probs.to(probs_out.dtype)
+                for row, tok in zip(live, tokens.tolist()):
+                    drafts[row].append(tok)
+        return DraftProposal(
+            kind=ProposalKind.CHAIN,
+            draft_token_ids=pad_rows(drafts, k, ctx.device),
+            num_draft_tokens=tuple(len(d) for d in drafts),
+            draft_probs=probs_out,
+        )
+
+    # ------------------------------------------------------ following the target
+    def on_target_step(self, step: TargetStep) -> None:
+        if step.hidden_states is None:
+            raise ValueError("MTPHead needs the target's hidden states (needs_target_hidden is True)")
+        index, next_tokens = [], []
+        for i, (tokens, start, kept) in enumerate(zip(step.token_ids, step.start_slots, step.kept_rows)):
+            index.extend(range(step.qo_indptr[i], step.qo_indptr[i] + kept))
+            next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
+        layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=self.head.device)
+        plan = step.backend.plan(layout, self.head.target_config.attention_spec)
+        hidden = step.hidden_states[torch.tensor(index, device=step.hidden_states.device)]  # [rows, hidden]
+        g = self.head(hidden, layout.token_ids, layout.positions, step.kv, step.backend, plan)
+        last = g[layout.last_row_indices]  # [batch, hidden]
+        for i, seq_id in enumerate(step.seq_ids):
+            self._g[seq_id] = last[i]
+
+    def release(self, seq_id: int) -> None:
+        self._g.pop(seq_id, None)

@@ -1,0 +1,137 @@
+"""MTP training pipeline: data chunks, cached features, the trainer (it learns, it resumes
+exactly), and the CLI end to end on stories260K."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec import Generator, SamplingParams
+from specdec.cli import main
+from specdec.models.loading import load_model
+from specdec.proposers import MTPHead
+from specdec.training import (
+    MTPTrainConfig,
+    compute_features,
+    text_files,
+    token_chunks,
+    train_mtp,
+)
+from specdec.training import features as features_module
+from specdec.training.mtp import measure_acceptance, new_head
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 50 for c in text]
+
+
+def test_text_files_and_chunks(tmp_path):
+    (tmp_path / "a.py").write_text("abcdefghij")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_text("klmnop")
+    (tmp_path / "c.bin").write_bytes(b"\xff\xfe")
+    texts = text_files([tmp_path])
+    assert texts == ["abcdefghij", "klmnop"]
+    chunks = token_chunks(CharTokenizer(), texts, chunk_len=4, separator_id=49)
+    assert [len(c) for c in chunks] == [4, 4, 4, 4]  # 10 + 1 + 6 + 1 = 18 tokens -> 4 chunks
+    assert chunks[2][3] == 49 or 49 in sum(chunks, [])
+    assert len(token_chunks(CharTokenizer(), texts, chunk_len=4, max_chunks=2)) == 2
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        text_files([tmp_path / "nothing-here*.py"])
+    with pytest.raises(ValueError, match="chunk_len"):
+        token_chunks(CharTokenizer(), texts, chunk_len=1)
+
+
+@pytest.fixture(scope="module")
+def stories_f32(stories_path):
+    target, _, _ = load_model(stories_path, dtype="float32")
+    return target
+
+
+@pytest.fixture(scope="module")
+def distilled(stories_path, stories_f32):
+    """The target's own sampled stories, cut into 64-token chunks."""
+    gen = Generator.from_pretrained(stories_path, dtype="float32")
+    params = [SamplingParams(max_new_tokens=256, temperature=1.0, seed=i, ignore_eos=True) for i in range(48)]
+    outs = gen.generate([[1]] * 48, params)
+    seqs = [[1, *o.token_ids] for o in outs]
+    return [s[j : j + 64] for s in seqs for j in range(0, 257 - 64, 64)], gen.tokenizer
+
+
+def test_features_equal_the_target_forward_and_are_cached(stories_f32, distilled, tmp_path, monkeypatch):
+    chunks = distilled[0][:10]
+    store = compute_features(stories_f32, chunks, tmp_path, batch_size=4, log=None)
+    assert len(store) == 10 and store.hidden.shape == (10, 64, stories_f32.config.hidden_size)
+    for i in (0, 7):  # each chunk alone through a fresh plain prefill
+        alone = features_module.batch_hidden_states(stories_f32, [chunks[i]])[0]
+        torch.testing.assert_close(store.hidden[i], alone, rtol=1e-5, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(features_module, "_write_shard", lambda *a: calls.append(a))
+    compute_features(stories_f32, chunks, tmp_path, batch_size=4, log=None)
+    assert calls == []  # same target and chunks: served from the cache
+    compute_features(stories_f32, chunks[:9], tmp_path, batch_size=4, log=None)  # other data
+    assert len(calls) == 3  # recomputed, every shard
+
+
+def test_training_learns_and_resumes_exactly(stories_f32, distilled, tmp_path):
+    chunks, tokenizer = distilled
+    store = compute_features(stories_f32, chunks, tmp_path / "features", log=None)
+    prompts = [c[:24] for c in chunks[-4:]]
+    config = MTPTrainConfig(steps=60, batch_size=8, lr=3e-3, warmup_steps=10, val_every=1000, checkpoint_every=30)
+    untrained = measure_acceptance(new_head(stories_f32, config), stories_f32, prompts, max_new_tokens=32)
+    full = train_mtp(stories_f32, store, config, tmp_path / "full", log=None)
+    hist = full.history
+    assert hist[-1]["token"] < hist[0]["token"] and hist[-1]["hidden"] < hist[0]["hidden"]
+    trained = measure_acceptance(full.head, stories_f32, prompts, max_new_tokens=32)
+    assert trained["acceptance_rate"] > untrained["acceptance_rate"] + 0.05, (trained, untrained)
+    # Interrupt after 30 steps, resume to 60: the same weights as the uninterrupted run.
+    train_mtp(stories_f32, store, config, tmp_path / "split", stop_at=30, log=None)
+    resumed = train_mtp(stories_f32, store, config, tmp_path / "split", log=None)
+    assert resumed.steps == 60
+    for (name, a), b in zip(full.head.state_dict().items(), resumed.head.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(ValueError, match="other settings"):
+        train_mtp(stories_f32, store, attrs_evolve(config, lr=1e-2), tmp_path / "split", log=None)
+
+
+def attrs_evolve(config, **changes):
+    import attrs
+
+    return attrs.evolve(config, **changes)
+
+
+def test_bad_training_config():
+    with pytest.raises(ValueError, match="steps"):
+        MTPTrainConfig(steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        MTPTrainConfig(lr=-1.0)
+    with pytest.raises(ValueError, match="vocab"):
+        MTPTrainConfig(vocab="some")
+    with pytest.raises(TypeError, match="features"):
+        train_mtp(None, "not a store", MTPTrainConfig(), "/tmp/never")
+
+
+def test_cli_trains_a_head_that_generates_exactly(stories_path, tmp_path, capsys):
+    out = tmp_path / "head"
+    rc = main([
+        "train-mtp", "--target", str(stories_path), "--out", str(out), "--self-distill", "24",
+        "--distill-tokens", "128", "--chunk-len", "64", "--steps", "20", "--batch-size", "4",
+        "--val-every", "10", "--dtype", "float32", "--val-tokens", "16",
+    ])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 20 and set(summary["held_out_acceptance"]) == {"k=1", "k=2", "k=3"}
+    assert "val_acceptance_rate" in json.loads((out / "train_log.json").read_text())["history"][9]
+    assert "held-out greedy k=1" in capsys.readouterr().out
+    proposer = MTPHead.from_pretrained(out, num_speculative_tokens=2)
+    gen = Generator.from_pretrained(stories_path, dtype="float32", proposer=proposer)
+    plain = Generator.from_pretrained(stories_path, dtype="float32")
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    assert gen.generate("Once upon a time", params).token_ids == plain.generate("Once upon a time", params).token_ids
+    with pytest.raises(SystemExit):
+        main(["train-mtp", "--target", str(stories_path), "--out", str(out), "--vocab", "bad"])
+    with pytest.raises(ValueError, match="steps"):
+        main(["train-mtp", "--target", str(stories_path), "--out", str(out), "--steps", "0", "--self-distill", "2"])

@@ -1,0 +1,450 @@
+"""The speculation policy: expected emitted tokens, acceptance estimates, cost curves, and the
+adaptive choice of k under synthetic step costs (no wall clock involved)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from specdec import SamplingParams
+from specdec.interfaces import SpeculationContext, SpeculationPolicy
+from specdec.policy import (
+    AdaptivePolicy,
+    AdaptivePolicyConfig,
+    CostCurve,
+    Extrapolation,
+    FixedPolicy,
+    acceptance_estimate,
+    expected_emitted,
+)
+
+GREEDY = SamplingParams(max_new_tokens=64)
+MAX_K = 5
+
+
+# ----------------------------------------------------------------------------- expected_emitted
+
+
+@pytest.mark.parametrize(
+    ("a", "k", "want"),
+    [(0.0, 0, 1.0), (0.0, 5, 1.0), (0.5, 1, 1.5), (0.5, 2, 1.75), (0.8, 3, 2.952), (1.0, 4, 5.0)],
+)
+def test_expected_emitted_values(a, k, want):
+    assert expected_emitted(a, k) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("a", [0.1, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("k", [0, 1, 3, 8])
+def test_expected_emitted_is_the_closed_form(a, k):
+    assert expected_emitted(a, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_expected_emitted_limit_at_full_acceptance(k):
+    assert expected_emitted(1.0, k) == k + 1
+    assert expected_emitted(1.0 - 1e-12, k) == pytest.approx(k + 1)
+
+
+@pytest.mark.parametrize(("a", "k"), [(-0.1, 2), (1.1, 2), (0.5, -1), (0.5, 1.5), (0.5, True)])
+def test_expected_emitted_rejects_bad_input(a, k):
+    with pytest.raises(ValueError, match=r"\b(a|k) must"):
+        expected_emitted(a, k)
+
+
+# ----------------------------------------------------------------------------- acceptance
+
+
+def test_acceptance_estimate_is_the_truncated_geometric_mle():
+    # Steps (drafted, accepted): (4, 4) (4, 1) (4, 2): 7 accepted, 2 rejections.
+    assert acceptance_estimate(7, 2, prior=0.6, prior_weight=0) == pytest.approx(7 / 9)
+
+
+def test_acceptance_estimate_prior():
+    assert acceptance_estimate(0, 0, prior=0.6, prior_weight=2) == 0.6
+    assert acceptance_estimate(0, 0, prior=0.3, prior_weight=0) == 0.3
+    assert acceptance_estimate(8, 2, prior=0.5, prior_weight=2) == pytest.approx(9 / 12)
+
+
+@pytest.mark.parametrize(
+    "args", [(-1, 0, 0.5, 1), (1, -1, 0.5, 1), (1, 1, 1.5, 1), (1, 1, 0.5, -1)]
+)
+def test_acceptance_estimate_rejects_bad_input(args):
+    with pytest.raises(ValueError):
+        acceptance_estimate(*args)
+
+
+def test_policy_acceptance_decays_toward_recent_steps():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(decay=0.5, prior_weight=0.5))
+    assert policy.acceptance(7) == pytest.approx(0.6)  # unseen request: the generator prior
+    for _ in range(20):
+        policy.observe_verify(7, 4, 4)
+    high = policy.acceptance(7)
+    assert high > 0.95
+    for _ in range(10):
+        policy.observe_verify(7, 4, 0)  # the draft starts failing
+    assert policy.acceptance(7) < 0.25 < high
+    policy.observe_verify(7, 0, 0)  # nothing drafted: nothing learned
+    policy.release(7)
+    assert policy.acceptance(7) == pytest.approx(policy.global_acceptance())
+
+
+# ----------------------------------------------------------------------------- cost curves
+
+
+def test_cost_curve_interpolates_between_measured_points():
+    curve = CostCurve(decay=0.8)
+    assert not curve.measured and curve.estimate(4) == 0.0
+    curve.observe(1, 0.1)
+    curve.observe(16, 0.4)
+    assert curve.measured
+    assert curve.estimate(1) == pytest.approx(0.1)
+    assert curve.estimate(16) == pytest.approx(0.4)
+    assert curve.estimate(6) == pytest.approx(0.1 + 0.3 * 5 / 15)
+
+
+def test_cost_curve_is_monotone():
+    curve = CostCurve(decay=0.8)
+    curve.observe(2, 0.3)
+    curve.observe(8, 0.2)  # noise: a cheaper measurement at more rows
+    curve.observe(32, 0.9)
+    sizes = [1, 2, 3, 5, 8, 13, 20, 32, 50, 100]
+    values = [curve.estimate(s) for s in sizes]
+    assert values == sorted(values)
+    assert curve.estimate(8) == pytest.approx(0.3)
+
+
+def test_cost_curve_extrapolation():
+    proportional = CostCurve(decay=0.8, above=Extrapolation.PROPORTIONAL)
+    flat = CostCurve(decay=0.8, above=Extrapolation.FLAT)
+    for curve in (proportional, flat):
+        curve.observe(4, 0.2)
+        curve.observe(8, 0.3)
+        # Below the smallest point: proportional to the size (optimistic for concave costs).
+        assert curve.estimate(2) == pytest.approx(0.1)
+    assert proportional.estimate(32) == pytest.approx(1.2)  # pessimistic
+    assert flat.estimate(32) == pytest.approx(0.3)  # optimistic
+
+
+def test_cost_curve_averages_within_a_bucket():
+    curve = CostCurve(decay=0.5)
+    curve.observe(4, 1.0)
+    curve.observe(6, 2.0)  # same power-of-two bucket: (5, 1.5)
+    curve.observe(1, 0.5)
+    assert curve.estimate(5) == pytest.approx(1.5)
+    curve.observe(3, float("nan"))  # ignored
+    curve.observe(0, 1.0)  # ignored
+    assert curve.estimate(5) == pytest.approx(1.5)
+
+
+def test_cost_curve_rejects_bad_decay():
+    with pytest.raises(ValueError, match="decay"):
+        CostCurve(decay=1.0)
+
+
+# ----------------------------------------------------------------------------- synthetic costs
+
+
+def memory_bound(policy: AdaptivePolicy) -> None:
+    """A step costs about the same for 1 or 64 rows; drafting a token costs 5% of a step."""
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        policy.observe_target(rows, 0.100 + 0.0002 * rows)
+    for batch in (1, 2, 4, 8, 16, 32):
+        policy.observe_propose(batch, 1, 0.005 + 0.0001 * batch, unseen=0)
+
+
+def compute_bound(policy: AdaptivePolicy) -> None:
+    """Every row costs its full price; a draft token costs a third of a target row."""
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        policy.observe_target(rows, 0.01 * rows)
+    for batch in (1, 2, 4, 8, 16, 32):
+        policy.observe_propose(batch, 1, 0.003 * batch, unseen=0)
+
+
+def accepting(policy: AdaptivePolicy, seq_id: int, accepted: int, drafted: int = 4, n: int = 30):
+    for _ in range(n):
+        policy.observe_verify(seq_id, drafted, accepted)
+
+
+def context(batch: int, caps: int | list[int] = 100, params=GREEDY, unseen: int = 0):
+    caps = [caps] * batch if isinstance(caps, int) else caps
+    return SpeculationContext(
+        seq_ids=tuple(range(batch)),
+        params=(params,) * batch,
+        caps=tuple(caps),
+        unseen=(unseen,) * batch,
+        max_k=MAX_K,
+    )
+
+
+def estimated_rate(policy: AdaptivePolicy, ctx: SpeculationContext, ks) -> float:
+    """Expected emitted tokens per second of plan ``ks`` under the policy's cost estimates."""
+    emitted = sum(expected_emitted(policy.acceptance(s), k) for s, k in zip(ctx.seq_ids, ks))
+    drafting = sum(k > 0 for k in ks)
+    return emitted / policy.step_seconds(sum(k + 1 for k in ks), drafting, max(ks))
+
+
+def test_policies_implement_the_protocol():
+    assert isinstance(AdaptivePolicy(), SpeculationPolicy)
+    assert isinstance(FixedPolicy(3), SpeculationPolicy)
+
+
+def test_memory_bound_and_high_acceptance_drafts_the_maximum_at_batch_1():
+    policy = AdaptivePolicy()
+    memory_bound(policy)
+    accepting(policy, 0, accepted=4)
+    assert policy.choose(context(1)) == (MAX_K,)
+
+
+def test_compute_bound_switches_speculation_off_at_batch_32():
+    policy = AdaptivePolicy()
+    compute_bound(policy)
+    for s in range(32):
+        accepting(policy, s, accepted=4)  # even drafts that are always right do not pay
+    assert policy.choose(context(32)) == (0,) * 32
+
+
+def test_compute_bound_still_speculates_at_batch_1_when_drafts_are_good():
+    # One row costs 10 ms, but so do two: the model is linear only from the origin; here
+    # speculation pays only if cheap rows exist, so a compute-bound target never speculates...
+    policy = AdaptivePolicy()
+    compute_bound(policy)
+    accepting(policy, 0, accepted=4)
+    assert policy.choose(context(1)) == (0,)
+    # ... while a target with a fixed cost per step (weights read once per step) does.
+    policy.observe_target(1, 0.100)
+    policy.observe_target(8, 0.110)
+    assert policy.choose(context(1))[0] > 0
+
+
+def test_low_acceptance_request_is_left_out_of_a_speculating_batch():
+    policy = AdaptivePolicy()
+    for rows in (1, 2, 4, 8, 16):
+        policy.observe_target(rows, 0.100 + 0.004 * rows)
+    for batch in (1, 2, 4):
+        policy.observe_propose(batch, 1, 0.010 * batch, unseen=0)
+    accepting(policy, 0, accepted=4)  # always right
+    accepting(policy, 1, accepted=0)  # always wrong
+    ks = policy.choose(context(2))
+    assert ks[0] > 0 and ks[1] == 0
+
+
+def test_one_unlucky_step_does_not_switch_a_good_request_off():
+    """Measured on the Qwen pair at batch 1 (one thread): a draft token costs half a target
+    step, so speculation gains ~10%; a request's first step rejecting every draft must not
+    end its speculation when the generator's drafts are usually right."""
+    policy = AdaptivePolicy()
+    for rows, seconds in ((1, 0.26), (2, 0.30), (4, 0.36), (8, 0.62), (32, 1.8)):
+        policy.observe_target(rows, seconds)
+    policy.observe_propose(1, 1, 0.13, unseen=0)
+    for s in range(100, 110):  # earlier requests: about 0.85 acceptance
+        for _ in range(5):
+            policy.observe_verify(s, 3, 3)
+        policy.observe_verify(s, 3, 1)
+    policy.observe_verify(0, 3, 0)
+    assert policy.choose(context(1))[0] > 0
+    for _ in range(4):  # but a request that keeps failing is switched off
+        policy.observe_verify(0, 1, 0)
+    assert policy.choose(context(1)) == (0,)
+
+
+def test_caps_and_max_k_bound_the_choice():
+    policy = AdaptivePolicy()
+    memory_bound(policy)
+    for s in range(3):
+        accepting(policy, s, accepted=4)
+    ks = policy.choose(context(3, caps=[0, 2, 100]))
+    assert ks == (0, 2, MAX_K)
+
+
+def test_plan_is_close_to_the_brute_force_optimum():
+    policy = AdaptivePolicy()
+    for rows in (1, 2, 4, 8, 16, 32):
+        policy.observe_target(rows, 0.05 + 0.006 * rows)
+    for batch in (1, 2, 3, 4):
+        policy.observe_propose(batch, 1, 0.008 + 0.002 * batch, unseen=0)
+    for s, accepted in enumerate((4, 3, 1)):
+        accepting(policy, s, accepted=accepted)
+    ctx = SpeculationContext(
+        seq_ids=(0, 1, 2), params=(GREEDY,) * 3, caps=(3, 3, 3), unseen=(0, 0, 0), max_k=3
+    )
+    best = max(estimated_rate(policy, ctx, ks) for ks in itertools.product(range(4), repeat=3))
+    chosen = estimated_rate(policy, ctx, policy.choose(ctx))
+    assert chosen >= 0.99 * best
+
+
+def test_negative_control_cost_blind_policy_loses_under_compute_bound_costs():
+    """Always drafting the maximum (ignoring cost) is clearly worse here, so the comparison
+    above and the batch-32 test can fail."""
+    policy = AdaptivePolicy()
+    compute_bound(policy)
+    for s in range(32):
+        accepting(policy, s, accepted=3)
+    ctx = context(32)
+    adaptive = estimated_rate(policy, ctx, policy.choose(ctx))
+    blind = estimated_rate(policy, ctx, FixedPolicy(MAX_K).choose(ctx))
+    assert blind < 0.8 * adaptive
+
+
+def test_fixed_policy_drafts_its_k_within_caps():
+    assert FixedPolicy(3).choose(context(3, caps=[0, 2, 10])) == (0, 2, 3)
+    assert FixedPolicy(9).choose(context(1)) == (MAX_K,)  # never past the step's max_k
+    assert FixedPolicy(0).choose(context(2)) == (0, 0)
+
+
+@pytest.mark.parametrize(("k", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_fixed_policy_rejects_bad_k(k, error):
+    with pytest.raises(error, match="k must"):
+        FixedPolicy(k)
+
+
+def test_seeded_sampling_in_the_batch_drafts_the_full_k():
+    policy = AdaptivePolicy()
+    compute_bound(policy)  # adaptive would say 0
+    seeded = SamplingParams(max_new_tokens=64, temperature=0.8, seed=1)
+    ctx = context(2)
+    ctx = SpeculationContext(
+        seq_ids=ctx.seq_ids, params=(GREEDY, seeded), caps=(2, 100), unseen=(0, 0), max_k=MAX_K
+    )
+    assert policy.choose(ctx) == (2, MAX_K)
+    free = AdaptivePolicy(AdaptivePolicyConfig(fixed_k_for_seeded_sampling=False))
+    compute_bound(free)
+    assert free.choose(ctx) == (0, 0)
+
+
+def test_no_costs_measured_means_a_plain_step():
+    assert AdaptivePolicy().choose(context(2)) == (0, 0)
+
+
+# ----------------------------------------------------------------------------- probing
+
+
+def probing_policy(**config) -> AdaptivePolicy:
+    """Batch 1, free drafting (a prompt lookup), a second target row costing 10 ms, and a
+    request whose drafts always fail: it should sit at k = 0 and be probed now and then."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(**config))
+    policy.observe_target(1, 0.110)
+    policy.observe_target(2, 0.120)
+    policy.observe_target(4, 0.140)
+    policy.observe_propose(1, 1, 0.0, unseen=0)
+    accepting(policy, 0, accepted=0, n=50)
+    return policy
+
+
+def test_probes_come_at_the_budgeted_cadence():
+    policy = probing_policy(prior_weight=0.5)
+    a = policy.acceptance(0)
+    assert a < 0.02
+    # A probe adds 10 ms to a 110 ms step and is expected to emit a more tokens; at a 1% budget
+    # it is due once the request has spent (0.010 - a * 0.110) / (0.01 * 0.110) steps at k = 0.
+    due = math.ceil((0.010 - a * 0.110) / (0.01 * 0.110))
+    assert due == 10
+    ks = [policy.choose(context(1))[0] for _ in range(40)]
+    assert [i + 1 for i, k in enumerate(ks) if k] == [10, 20, 30, 40]
+    assert set(ks) == {0, 1}
+
+
+def test_probe_cadence_follows_the_budget():
+    policy = probing_policy(probe_budget=0.1)  # 10x the budget: due after 1 step -> 8 (min)
+    ks = [policy.choose(context(1))[0] for _ in range(24)]
+    assert [i + 1 for i, k in enumerate(ks) if k] == [8, 16, 24]
+
+
+def test_probe_accounts_for_the_proposer_catching_up():
+    policy = AdaptivePolicy()
+    for rows in (1, 2, 4, 512):
+        policy.observe_target(rows, 0.100 + 0.010 * rows)
+    policy.observe_propose(1, 1, 0.050, unseen=0)  # a draft model: 50 ms a token
+    accepting(policy, 0, accepted=0, n=50)
+    # Each step at k = 0 leaves one more token for the draft model to catch up on, which
+    # costs more than 1% of a step: probing never fits the budget.
+    ks = [policy.choose(context(1, unseen=1 + i))[0] for i in range(300)]
+    assert ks == [0] * 300
+    # A free proposer (nothing to catch up on) is probed in the same situation.
+    policy.observe_propose(1, 1, 0.0, unseen=0)
+    policy.draft_cost = CostCurve(0.0, Extrapolation.FLAT)
+    policy.draft_cost.observe(1, 0.0)
+    assert 1 in [policy.choose(context(1, unseen=1 + i))[0] for i in range(300)]
+
+
+def test_no_probes_where_speculation_cannot_pay():
+    policy = AdaptivePolicy()
+    compute_bound(policy)
+    ks = [policy.choose(context(32)) for _ in range(300)]
+    assert all(k == (0,) * 32 for k in ks)
+
+
+def test_observe_propose_takes_out_the_catch_up():
+    policy = AdaptivePolicy()
+    compute_bound(policy)
+    ratio = 0.3  # the draft costs 0.3 of the target per row
+    unseen, width = 100, 4
+    seconds = ratio * (0.01 * (unseen + 1) + (width - 1) * 0.01)
+    policy.observe_propose(1, width, seconds, unseen=unseen)
+    # The per-token cost at batch 1 is what steady-state drafting costs: ratio * T(1).
+    assert policy.draft_cost.estimate(1) == pytest.approx(ratio * 0.01)
+    assert policy.catchup_seconds(unseen) == pytest.approx(ratio * 0.01 * unseen)
+
+
+def test_catch_up_is_learned_from_propose_calls_once_drafting_is_measured():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    memory_bound(policy)  # 5.1 ms a drafted token at batch 1
+    policy.observe_propose(1, 4, 4 * 0.0051 + 0.600, unseen=120)
+    assert policy.catchup_seconds(120) == pytest.approx(0.600)
+    assert policy.catchup_seconds(60) == pytest.approx(0.300)  # proportional below
+    assert policy.draft_cost.estimate(1) == pytest.approx(0.0051)  # drafting unchanged
+
+
+def switching_context(unseen: int, cap: int) -> SpeculationContext:
+    return SpeculationContext(
+        seq_ids=(0,), params=(GREEDY,), caps=(cap,), unseen=(unseen,), max_k=MAX_K
+    )
+
+
+def test_catch_up_is_paid_only_where_the_remaining_tokens_repay_it():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    memory_bound(policy)
+    policy.observe_propose(1, 4, 4 * 0.0051 + 1.0, unseen=100)  # 1 s to catch up on 100 tokens
+    accepting(policy, 0, accepted=3)
+    # Drafting saves ~0.06 s a token here; a catch-up of 1 s needs many tokens to pay off.
+    assert policy.choose(switching_context(unseen=100, cap=5)) == (0,)
+    assert policy.choose(switching_context(unseen=100, cap=500))[0] > 0
+    assert policy.choose(switching_context(unseen=0, cap=5))[0] > 0  # nothing to catch up on
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("decay", 1.0, ValueError),
+        ("decay", -0.1, ValueError),
+        ("global_decay", 1.5, ValueError),
+        ("prior_acceptance", 1.5, ValueError),
+        ("prior_weight", 0, ValueError),
+        ("cost_decay", math.nan, ValueError),
+        ("probe_budget", 0.0, ValueError),
+        ("probe_budget", "1%", TypeError),
+        ("min_probe_interval", 0, ValueError),
+        ("min_probe_interval", 2.5, TypeError),
+        ("fixed_k_for_seeded_sampling", "yes", TypeError),
+    ],
+)
+def test_bad_config_names_the_field(field, value, error):
+    with pytest.raises(error, match=field):
+        AdaptivePolicyConfig(**{field: value})
+
+
+def test_adaptive_policy_takes_only_its_config():
+    with pytest.raises(TypeError, match="config must be an AdaptivePolicyConfig"):
+        AdaptivePolicy({"decay": 0.5})
+
+
+def test_release_forgets_the_request():
+    policy = probing_policy()
+    policy.choose(context(1))
+    assert 0 in policy._requests
+    policy.release(0)
+    assert policy._requests == {}
