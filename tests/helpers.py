@@ -34,3 +34,10 @@ def perturbed(model, scale: float = 0.3, seed: int = 1):
         for p in other.parameters():
             p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return other
+
+
+def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[list[int]]:
+    """``n`` seeded random token-id prompts of lengths 1..max_len - 1."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]

@@ -8,8 +8,7 @@ import random
 from collections import Counter
 
 import pytest
-import torch
-from helpers import perturbed
+from helpers import perturbed, random_prompts
 
 import specdec.generator
 from specdec import (
@@ -29,9 +28,7 @@ K = 4
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 30, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+    return random_prompts(vocab, n, seed)
 
 
 @pytest.fixture(scope="module")

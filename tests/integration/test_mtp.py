@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import random_prompts
 
 from specdec import Generator, SamplingParams
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_mtp_head, save_mtp_head
@@ -30,9 +31,7 @@ def random_head(target, seed: int = 0, *, use_input_norms: bool = True, scale: f
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 25, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+    return random_prompts(vocab, n, seed, max_len=25)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from helpers import perturbed
+from helpers import perturbed, random_prompts
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.models.loading import load_model
@@ -17,9 +17,7 @@ from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 30, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+    return random_prompts(vocab, n, seed)
 
 
 @pytest.fixture(scope="module")
