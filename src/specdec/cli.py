@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     demo.add_argument("--dtype", default="bfloat16")
     demo.add_argument("--threads", type=int, default=None)
+    demo.add_argument("--adaptive", action="store_true", help="adaptive k (at most -k) instead of a fixed k")
 
     mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
     mtp.add_argument("--target", required=True, help="HF directory, .gguf file or model name")

@@ -30,7 +30,7 @@ def _stamp(label: str, start: float, timings: dict[str, float]) -> float:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from specdec import CacheConfig, Generator, SamplingParams
+    from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
     from specdec.hub import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
     from specdec.models.loading import load_model
     from specdec.proposers import DraftModel
@@ -45,7 +45,10 @@ def run_demo(args: argparse.Namespace) -> int:
     cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
     plain = Generator.from_pretrained(target_path, dtype=args.dtype, cache_config=cache)
     draft, _, _ = load_model(draft_path, dtype=args.dtype)
-    spec = plain.with_proposer(DraftModel.from_model(draft, num_speculative_tokens=k))
+    # A fixed k by default: a one-shot demo of a few requests is where the adaptive policy knows
+    # least (it starts without cost measurements; see docs/concepts.md, "Choosing k").
+    policy = None if getattr(args, "adaptive", False) else FixedPolicy(k)
+    spec = plain.with_proposer(DraftModel.from_model(draft, num_speculative_tokens=k), policy=policy)
     start = _stamp("load target + draft", start, timings)
     plain.generate("def f():", SamplingParams(max_new_tokens=2))  # warm-up (builds the kernel)
     spec.generate("def f():", SamplingParams(max_new_tokens=2))
@@ -81,7 +84,8 @@ def run_demo(args: argparse.Namespace) -> int:
     spec_tps = totals["spec"][0] / totals["spec"][1]
     m = spec.metrics
     print("=" * 72)
-    print(f"target {target_path.name}, draft {draft_path.name}, k={k}, {args.dtype}, "
+    mode = "adaptive, at most" if policy is None else "fixed"
+    print(f"target {target_path.name}, draft {draft_path.name}, k={k} ({mode}), {args.dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"plain decoding       {plain_tps:6.2f} tokens/s")
     print(f"speculative decoding {spec_tps:6.2f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
