@@ -108,3 +108,14 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def stories_path() -> Path:
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tiny_checkpoint):
+    """(target, draft): a tiny random float64 Qwen2 and a noisy copy that agrees often, not always."""
+    from helpers import perturbed
+
+    from specdec.models.loading import load_model
+
+    target, _, _ = load_model(tiny_checkpoint("qwen2"), dtype="float64")
+    return target, perturbed(target, 0.3, seed=5)

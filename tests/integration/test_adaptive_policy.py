@@ -8,7 +8,7 @@ import random
 from collections import Counter
 
 import pytest
-from helpers import perturbed, random_prompts
+from helpers import random_prompts
 
 import specdec.generator
 from specdec import (
@@ -20,7 +20,6 @@ from specdec import (
     SamplingParams,
 )
 from specdec.interfaces import SpeculationContext
-from specdec.models.loading import load_model
 from specdec.proposers import DraftModel, PromptLookup
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -29,12 +28,6 @@ K = 4
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return random_prompts(vocab, n, seed)
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_checkpoint):
-    target, _, _ = load_model(tiny_checkpoint("qwen2"), dtype="float64")
-    return target, perturbed(target, 0.3, seed=5)
 
 
 @pytest.fixture(scope="module")

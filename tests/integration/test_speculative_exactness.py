@@ -20,12 +20,6 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return random_prompts(vocab, n, seed)
 
 
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_checkpoint):
-    target, _, _ = load_model(tiny_checkpoint("qwen2"), dtype="float64")
-    return target, perturbed(target, 0.3, seed=5)
-
-
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
