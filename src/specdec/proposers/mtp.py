@@ -17,6 +17,7 @@ from the generator's shared allocator (same page ids as the target, its own one-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -85,8 +86,6 @@ class MTPHead:
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"MTP head path {str(path)!r} has no {name}")
-        import json
-
         try:
             MTPHeadConfig.from_json(json.loads((path / "config.json").read_text()))
         except (ValueError, KeyError, TypeError) as err:
@@ -195,7 +194,9 @@ class MTPHead:
             next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
         layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=self.head.device)
         plan = step.backend.plan(layout, self.head.target_config.attention_spec)
-        hidden = step.hidden_states[torch.tensor(index, device=step.hidden_states.device)]  # [rows, hidden]
+        hidden = step.hidden_states  # [rows, hidden]
+        if len(index) != hidden.shape[0]:  # verify steps: keep the accepted rows only
+            hidden = hidden[torch.tensor(index, device=hidden.device)]
         g = self.head(hidden, layout.token_ids, layout.positions, step.kv, step.backend, plan)
         last = g[layout.last_row_indices]  # [batch, hidden]
         for i, seq_id in enumerate(step.seq_ids):
