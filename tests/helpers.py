@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import copy
+import random
+from collections import Counter
 
 import torch
+
+from specdec.interfaces import SpeculationContext
+from specdec.policy import FixedPolicy
 
 F64 = torch.float64
 
@@ -41,3 +46,34 @@ def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[lis
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def random_head(target, seed: int = 0, *, use_input_norms: bool = True, scale: float = 1.0):
+    """An MTP head with random weights (non-trivial norms) in the target's dtype."""
+    from specdec.models.heads import MTPHeadConfig, MTPHeadModel
+
+    torch.manual_seed(seed)
+    head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config, use_input_norms=use_input_norms))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.mul_(scale)
+    return head.to(target.dtype).eval().requires_grad_(False)
+
+
+class ScriptedPolicy(FixedPolicy):
+    """Random k per request per step (0 included), and a record of every choice made."""
+
+    def __init__(self, seed: int, k: int) -> None:
+        super().__init__(k)
+        self.rng = random.Random(seed)
+        self.chosen: Counter[int] = Counter()
+        self.contexts: list[tuple[SpeculationContext, tuple[int, ...]]] = []
+
+    def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:
+        ks = tuple(self.rng.randint(0, min(ctx.max_k, cap)) for cap in ctx.caps)
+        self.chosen.update(ks)
+        self.contexts.append((ctx, ks))
+        return ks

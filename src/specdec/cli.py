@@ -1,4 +1,8 @@
-"""Command line: ``specdec generate | fetch | demo | train-mtp``."""
+"""Command line: ``specdec generate | fetch | demo | train-mtp``.
+
+Errors print one line (``specdec: error: ...``) and exit with status 2; ``--debug`` shows the
+traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,21 @@ from pathlib import Path
 __all__ = ["main"]
 
 BUNDLED_MODEL = "stories260K"
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (``--threads 0`` is refused, not taken as 'all')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (>= 1)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -39,17 +58,29 @@ def _sampling_params(args: argparse.Namespace):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for a prompt")
     gen.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
-    gen.add_argument("--draft", default=None, help="draft model for speculation")
-    gen.add_argument("--num-speculative-tokens", "-k", type=int, default=4)
+    proposer = gen.add_mutually_exclusive_group()
+    proposer.add_argument("--draft", default=None, help="speculate with this draft model")
+    proposer.add_argument("--mtp-head", default=None, help="speculate with this MTP head directory")
+    proposer.add_argument(
+        "--prompt-lookup", action="store_true", help="speculate by prompt lookup (n-grams)"
+    )
+    gen.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=4)
+    gen.add_argument(
+        "--policy",
+        choices=("adaptive", "fixed"),
+        default="adaptive",
+        help="adaptive: k per request and step, at most -k (default); fixed: always -k",
+    )
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     gen.add_argument("--dtype", default="bfloat16")
     gen.add_argument("--device", default="cpu")
-    gen.add_argument("--threads", type=int, default=None)
-    gen.add_argument("--stream", action="store_true")
+    _add_threads_arg(gen)
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_sampling_args(gen)
 
     fetch = sub.add_parser("fetch", help="download and convert a known model into the cache")
@@ -62,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     demo.add_argument("--dtype", default="bfloat16")
-    demo.add_argument("--threads", type=int, default=None)
+    _add_threads_arg(demo)
     demo.add_argument("--adaptive", action="store_true", help="adaptive k (at most -k) instead of a fixed k")
 
     mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
@@ -93,13 +124,25 @@ def _parser() -> argparse.ArgumentParser:
     mtp.add_argument("--eval-only", action="store_true", help="measure the head in OUT on the held-out prompts")
     mtp.add_argument("--dtype", default="bfloat16")
     mtp.add_argument("--device", default="cpu")
-    mtp.add_argument("--threads", type=int, default=None)
+    _add_threads_arg(mtp)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if getattr(args, "threads", None):
+    """Run one command; its exit status (2 for any error, after a one-line message)."""
+    args = _parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
+    try:
+        return _run(args)
+    except Exception as exc:  # noqa: BLE001 - the command line reports every failure alike
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"specdec: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "threads", None) is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -158,34 +201,53 @@ def _train_mtp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from specdec import Generator
-
-    proposer = None
+def _proposer(args: argparse.Namespace):
+    """The proposer the flags name (``None``: plain decoding)."""
+    k = args.num_speculative_tokens
     if args.draft:
         from specdec.proposers import DraftModel
 
-        proposer = DraftModel.from_pretrained(
-            args.draft, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, device=args.device
+        return DraftModel.from_pretrained(
+            args.draft, num_speculative_tokens=k, dtype=args.dtype, device=args.device
         )
-    gen = Generator.from_pretrained(args.target, proposer=proposer, dtype=args.dtype, device=args.device)
-    params = _sampling_params(args)
-    if args.stream and len(args.prompt) == 1:
-        for delta in gen.stream(args.prompt[0], params):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        return 0
-    start = time.perf_counter()
-    outs = gen.generate(list(args.prompt), params)
-    elapsed = time.perf_counter() - start
-    for prompt, out in zip(args.prompt, outs):
-        print(f"--- {prompt!r}\n{out.text}\n")
-    m = gen.metrics
-    print(
-        f"[{m.num_generated_tokens} tokens in {elapsed:.2f}s, {m.num_generated_tokens / elapsed:.1f} tok/s"
-        + (f", acceptance {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}]" if args.draft else "]")
+    if args.mtp_head:
+        from specdec.proposers import MTPHead
+
+        return MTPHead.from_pretrained(args.mtp_head, num_speculative_tokens=k)
+    if args.prompt_lookup:
+        from specdec.proposers import PromptLookup
+
+        return PromptLookup(num_speculative_tokens=k)
+    return None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specdec import Generator
+
+    params = _sampling_params(args)  # validated before any model is loaded
+    proposer = _proposer(args)
+    policy = args.num_speculative_tokens if proposer is not None and args.policy == "fixed" else None
+    gen = Generator.from_pretrained(
+        args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy
     )
+    start = time.perf_counter()
+    if args.stream:  # each prompt in turn, its text as it comes
+        for prompt in args.prompt:
+            print(f"--- {prompt!r}")
+            for delta in gen.stream(prompt, params):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n\n")
+    else:
+        outs = gen.generate(list(args.prompt), params)
+        for prompt, out in zip(args.prompt, outs):
+            print(f"--- {prompt!r}\n{out.text}\n")
+    elapsed = time.perf_counter() - start
+    m = gen.metrics
+    summary = f"{m.num_generated_tokens} tokens in {elapsed:.2f}s, {m.num_generated_tokens / elapsed:.1f} tok/s"
+    if proposer is not None:
+        summary += f", acceptance {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}"
+    print(f"[{summary}]")
     return 0
 
 

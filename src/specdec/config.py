@@ -11,7 +11,20 @@ from collections.abc import Iterable
 
 import attrs
 
-__all__ = ["SamplingParams", "CacheConfig", "positive_int", "non_negative_int"]
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "SamplingParams",
+    "CacheConfig",
+    "boolean",
+    "positive_int",
+    "non_negative_int",
+    "speculative_tokens",
+]
+
+# The widest draft any proposer may make per step. Verification cost grows with k while the
+# chance that the last drafts survive shrinks geometrically: past a few dozen tokens a draft
+# only sizes the KV cache for nothing.
+MAX_SPECULATIVE_TOKENS = 64
 
 
 def positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -28,6 +41,26 @@ def non_negative_int(instance: object, attribute: attrs.Attribute, value: object
         raise TypeError(f"{attribute.name} must be an int >= 0, got {type(value).__name__}")
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def speculative_tokens(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: an ``int`` in ``1 .. MAX_SPECULATIVE_TOKENS`` (the one bound every proposer
+    shares)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"{attribute.name} must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
+            f"got {type(value).__name__}"
+        )
+    if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"{attribute.name} must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {value}"
+        )
+
+
+def boolean(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a real ``bool`` (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def seed_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -125,7 +158,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_to_int_tuple, validator=_token_ids
     )
-    ignore_eos: bool = False
+    ignore_eos: bool = attrs.field(default=False, validator=boolean)
     logprobs: int | None = attrs.field(default=None, validator=optional(non_negative_int))
 
     @property

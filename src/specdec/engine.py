@@ -166,8 +166,9 @@ class Engine:
         params = [r.params for r in reqs]
         errors: dict[int, BaseException] = {}
         logits = _isolate_non_finite(reqs, out.logits, errors, "target logits")
-        tokens = self.sampler.sample(logits, params, [r.generator for r in reqs]).tolist()
-        self._record_logprobs(reqs, logits, [[t] for t in tokens])
+        tokens = self.sampler.sample(logits, params, [r.randomness() for r in reqs]).tolist()
+        _isolate_no_distribution(reqs, [[t] for t in tokens], errors)
+        self._record_logprobs(reqs, logits, [[t] for t in tokens], errors)
 
         new_tokens = []
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
@@ -222,7 +223,7 @@ class Engine:
                 seq_ids=tuple(reqs[i].seq_id for i in drafting),
                 token_ids=tuple(reqs[i].token_ids for i in drafting),
                 params=tuple(reqs[i].params for i in drafting),
-                generators=tuple(reqs[i].generator for i in drafting),
+                generators=tuple(reqs[i].randomness() for i in drafting),
                 num_speculative_tokens=lookahead,
                 kv=self.proposer_kv,
                 backend=self.backend,
@@ -239,8 +240,12 @@ class Engine:
         drafts = [[PAD_TOKEN_ID] * proposal.width for _ in reqs]
         for row, i in zip(drafted, drafting):
             drafts[i] = row
-        if any(n > k for n, k in zip(proposal.num_draft_tokens, ks)):
-            capped = tuple(min(n, k) for n, k in zip(proposal.num_draft_tokens, ks))
+        # Each request keeps at most its own k, and a draft ends at a PAD_TOKEN_ID (a sampler
+        # finds no distribution to draw from: the draft probabilities are checked below).
+        capped = tuple(
+            min(n, k, _pad_at(row, n)) for n, k, row in zip(proposal.num_draft_tokens, ks, drafts)
+        )
+        if capped != tuple(proposal.num_draft_tokens):
             proposal = attrs.evolve(proposal, num_draft_tokens=capped)
         num_draft = proposal.num_draft_tokens
         _check_draft_ids(drafts, num_draft, self.target.config.vocab_size)
@@ -272,7 +277,7 @@ class Engine:
             if draft_probs is not proposal.draft_probs:
                 proposal = attrs.evolve(proposal, draft_probs=draft_probs)
         result = self.verifier.verify(
-            target_logits, proposal, params, [r.generator for r in reqs]
+            target_logits, proposal, params, [r.randomness() for r in reqs]
         )
 
         emitted = result.emitted_token_ids.tolist()
@@ -281,7 +286,8 @@ class Engine:
         if proposal.kind is ProposalKind.TREE:
             hidden = self._compact_tree(reqs, starts, accepted_rows, result.num_emitted, layout.q_lens, hidden)
         kept_tokens = [e[:n] for e, n in zip(emitted, result.num_emitted)]
-        self._record_logprobs_verify(reqs, target_logits, kept_tokens, accepted_rows)
+        _isolate_no_distribution(reqs, kept_tokens, errors)
+        self._record_logprobs_verify(reqs, target_logits, kept_tokens, accepted_rows, errors)
 
         new_tokens = []
         for i, req in enumerate(reqs):
@@ -370,16 +376,16 @@ class Engine:
             )
         )
 
-    def _record_logprobs(self, reqs: Sequence[Request], logits: torch.Tensor, tokens) -> None:
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    def _record_logprobs(self, reqs: Sequence[Request], logits: torch.Tensor, tokens, errors) -> None:
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in errors]
         if not want:
             return
         for i in want:
             self._append_logprobs(reqs[i], logits[i : i + 1], tokens[i][:1])
 
-    def _record_logprobs_verify(self, reqs, target_logits, kept_tokens, accepted_rows) -> None:
+    def _record_logprobs_verify(self, reqs, target_logits, kept_tokens, accepted_rows, errors) -> None:
         for i, req in enumerate(reqs):
-            if req.params.logprobs is None:
+            if req.params.logprobs is None or i in errors:
                 continue
             n = len(kept_tokens[i])
             rows = torch.tensor(accepted_rows[i][:n], device=target_logits.device)
@@ -493,6 +499,19 @@ def _isolate_non_finite(
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
+def _isolate_no_distribution(
+    reqs: Sequence[Request], tokens: Sequence[Sequence[int]], errors: dict[int, BaseException]
+) -> None:
+    """Record a RequestError for each request that drew a negative token id: its processed
+    distribution was not finite (the sampler and verifiers never invent a token for it)."""
+    for i, row in enumerate(tokens):
+        if i not in errors and any(t < 0 for t in row):
+            errors[i] = RequestError(
+                f"request {reqs[i].seq_id}: its sampling probabilities are not finite "
+                f"(temperature {reqs[i].params.temperature}); nothing was sampled"
+            )
+
+
 def _append(req: Request, tokens: Sequence[int], index: int, errors: dict[int, BaseException]) -> int:
     """``req.append(tokens)``; an exception from its stop check goes to ``errors[index]``."""
     try:
@@ -512,6 +531,11 @@ def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) ->
         raise ValueError(
             f"proposer drafted {proposal.num_draft_tokens} tokens; allowed 0..{lookahead} per sequence"
         )
+
+
+def _pad_at(row: Sequence[int], n: int) -> int:
+    """Index of the first ``PAD_TOKEN_ID`` among the first ``n`` drafts, else ``n``."""
+    return next((j for j, t in enumerate(row[:n]) if t == PAD_TOKEN_ID), n)
 
 
 def _check_draft_ids(drafts: list[list[int]], num_draft: Sequence[int], vocab: int) -> None:

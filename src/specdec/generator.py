@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 
 from specdec.attention import default_backend
-from specdec.config import CacheConfig, SamplingParams
+from specdec.config import MAX_SPECULATIVE_TOKENS, CacheConfig, SamplingParams
 from specdec.engine import Engine
 from specdec.handle import RequestHandle
 from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
@@ -25,7 +29,7 @@ from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.policy import AdaptivePolicy, FixedPolicy
-from specdec.request import FinishReason, Request, TokenLogprob
+from specdec.request import FinishReason, Request, RequestView, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
 from specdec.scheduler import BatchScheduler
 from specdec.types import StepOutput
@@ -55,6 +59,10 @@ class Generator:
     ``AdaptivePolicy()`` by default (k from measured step costs and acceptance, 0 where
     speculation does not pay), ``FixedPolicy(k)`` or just an int ``k`` to fix it.
 
+    Every public method may be called from any number of threads and asyncio tasks at once:
+    their requests share the engine's batches, one step at a time, and each gets exactly the
+    output it would get alone (see "Threads and asyncio" in docs/concepts.md).
+
     Example:
         >>> gen = Generator.from_pretrained("path/to/target", dtype="bfloat16")
         >>> gen.generate("def fib(n):", SamplingParams(max_new_tokens=32)).text
@@ -76,6 +84,9 @@ class Generator:
             raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
         _check_components(proposer, verifier, cache_config)
         policy = _resolve_policy(policy, proposer)
+        attach = getattr(proposer, "attach", None)
+        if attach is not None:  # binds proposers built on the target (MTP/EAGLE heads); checks
+            attach(target)  # that a draft model fits it, before any page is allocated
         cache_config = cache_config or CacheConfig()
         self.target = target
         self.tokenizer = tokenizer
@@ -95,9 +106,6 @@ class Generator:
         target_kv = self.kv.add_pool(cfg.kv_spec("target", target.dtype), target.device)
         proposer_kv = None
         if proposer is not None:
-            attach = getattr(proposer, "attach", None)
-            if attach is not None:  # proposers built on the target (MTP/EAGLE heads) bind to it
-                attach(target)
             specs = proposer.kv_specs()
             if len(specs) > 1:
                 raise ValueError("a proposer may declare at most one KV pool")
@@ -120,6 +128,15 @@ class Generator:
             num_speculative_tokens=k,
             policy=policy,
         )
+        # Threading: one lock serialises everything that touches the engine (scheduler, KV
+        # pages, proposer, policy, metrics) and is held for exactly one step, so callers on
+        # many threads interleave step by step and share batches. Submissions go through an
+        # inbox that needs no lock, so submit() never waits for a step in progress; the next
+        # step (or cancel) moves them into the scheduler. Tokenizers are not thread-safe.
+        self._lock = threading.RLock()
+        self._inbox: deque[Request] = deque()
+        self._ids_lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self._next_seq_id = 0
         self._num_steps = 0
 
@@ -182,7 +199,7 @@ class Generator:
         """A generator sharing this one's target weights, tokenizer and EOS ids, with another
         proposer (``None``: plain decoding), its own KV cache and its own speculation policy
         (a fresh ``AdaptivePolicy()`` unless ``policy`` is given)."""
-        return Generator(
+        other = Generator(
             target=self.target,
             tokenizer=self.tokenizer,
             proposer=proposer,
@@ -190,6 +207,8 @@ class Generator:
             eos_token_ids=sorted(self.eos_token_ids),
             policy=policy,
         )
+        other._tokenizer_lock = self._tokenizer_lock  # one tokenizer, one lock
+        return other
 
     # ------------------------------------------------------------- generation
     def generate(
@@ -237,8 +256,7 @@ class Generator:
             self._submit([req])
             yield from RequestHandle(self, req)
         finally:
-            if not req.finished:
-                self.engine.cancel(req)
+            self._cancel_request(req)
 
     # ------------------------------------------------------------ embedding API
     def submit(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestHandle:
@@ -264,11 +282,14 @@ class Generator:
 
         Returns the step's :class:`~specdec.types.StepOutput`: ``seq_ids`` (request ids) of
         the batch with the ``new_token_ids`` each got, and ``failed_seq_ids``. An empty
-        output means there was nothing to run.
+        output means there was nothing to run. From several threads, steps run one after
+        another.
         """
-        out = self.engine.step()
-        self._num_steps += 1
-        return out
+        with self._lock:
+            self._drain_inbox()
+            out = self.engine.step()
+            self._num_steps += 1
+            return out
 
     @property
     def num_steps(self) -> int:
@@ -285,25 +306,52 @@ class Generator:
         """
         if not isinstance(request_id, int) or isinstance(request_id, bool):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
-        req = self.scheduler.find(request_id)
-        if req is not None:
-            return self._cancel_request(req)
+        with self._lock:
+            self._drain_inbox()
+            req = self.scheduler.find(request_id)
+            if req is not None:
+                return self._cancel_request(req)
         if 0 <= request_id < self._next_seq_id:
             return False
         raise KeyError(f"request_id {request_id} is not a request of this generator")
 
     def _cancel_request(self, req: Request) -> bool:
-        if req.finished:
-            return False
-        self.engine.cancel(req)
-        return True
+        """Cancel ``req`` between steps (waits for a step in progress); ``False`` if it had
+        already ended."""
+        with self._lock:
+            self._drain_inbox()
+            if req.finished:
+                return False
+            self.engine.cancel(req)
+            return True
 
-    def _step_for(self, req: Request) -> None:
-        """One step on behalf of ``req``'s consumer; a step with nothing to run while ``req``
-        is unfinished would loop forever, so it is an error."""
-        out = self.step()
-        if not out.seq_ids and not req.finished:
-            raise RuntimeError(f"request {req.seq_id} is not queued in this generator's engine")
+    def _drain_inbox(self) -> None:
+        """Queue the submitted requests in arrival order (call under the lock)."""
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+
+    def _advance(self, reqs: Sequence[Request], seen: int) -> None:
+        """One engine step on behalf of the consumer of ``reqs``, unless they have all ended
+        or some thread has stepped since the consumer saw step count ``seen``.
+
+        While another thread steps, this blocks on the lock (no busy waiting) and then
+        returns at once: that step moved these requests too. A step with nothing to run
+        while one of ``reqs`` is unfinished would loop forever, so it is an error.
+        """
+        with self._lock:
+            if self._num_steps != seen or all(r.finished for r in reqs):
+                return
+            out = self.step()
+            if not out.seq_ids and not all(r.finished for r in reqs):
+                req = next(r for r in reqs if not r.finished)
+                raise RuntimeError(f"request {req.seq_id} is not queued in this generator's engine")
+
+    def _progress(self, req: Request, step_unless_since: int | None) -> RequestView:
+        """``req``'s progress after stepping as :meth:`_advance` does (``None``: no step)."""
+        with self._lock:
+            if step_unless_since is not None:
+                self._advance([req], step_unless_since)
+            return req.view(self._num_steps)
 
     def _finished_output(self, req: Request) -> GenerationOutput:
         self._raise_if_failed([req])
@@ -312,8 +360,10 @@ class Generator:
     # ------------------------------------------------------------ inspection
     @property
     def metrics(self) -> SpecMetrics:
-        """Totals over every request this generator has run."""
-        return self.engine.metrics
+        """Totals over every request this generator has run (a snapshot: read it again
+        for later totals)."""
+        with self._lock:
+            return self.engine.metrics.snapshot()
 
     @property
     def policy(self) -> SpeculationPolicy | None:
@@ -322,17 +372,20 @@ class Generator:
 
     def kv_stats(self) -> dict[str, int]:
         """``num_free_pages``, ``num_total_pages`` and more, from the one page allocator."""
-        return self.kv.stats()
+        with self._lock:
+            return self.kv.stats()
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this generator has no tokenizer: pass token ids instead of text")
-        return list(self.tokenizer.encode(text))
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     # -------------------------------------------------------------- internals
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:
@@ -362,31 +415,44 @@ class Generator:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("params.stop needs a tokenizer; use stop_token_ids instead")
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValueError(
+                f"params.stop_token_ids must be token ids in [0, {vocab}), got {bad_stops}"
+            )
+        with self._ids_lock:
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
         return Request(
             seq_id=seq_id,
             prompt_ids=ids,
             params=params,
-            generator=None if params.is_greedy else make_generator(params.seed, self.target.device),
+            # Seeded requests draw position-keyed noise (Request.randomness); only unseeded
+            # sampled requests keep a stream.
+            generator=None
+            if params.is_greedy or params.seed is not None
+            else make_generator(None, self.target.device),
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             decode=(lambda out, ctx=ids: self._decode_output(ctx, out)) if params.stop else None,
         )
 
     def _submit(self, reqs: Sequence[Request]) -> None:
-        for req in reqs:
-            self.scheduler.add(req)
+        self._inbox.extend(reqs)  # one call: a generate()'s requests arrive together
+        if self._lock.acquire(blocking=False):  # queue them now unless a step is running
+            try:
+                self._drain_inbox()
+            finally:
+                self._lock.release()
 
     def _run(self, reqs: Sequence[Request]) -> None:
         try:
             self._submit(reqs)
             while not all(r.finished for r in reqs):
-                self._step_for(next(r for r in reqs if not r.finished))
+                self._advance(reqs, self._num_steps)
         finally:
             for req in reqs:
-                if not req.finished:
-                    self.engine.cancel(req)
+                self._cancel_request(req)
         self._raise_if_failed(reqs)
 
     @staticmethod
@@ -398,8 +464,14 @@ class Generator:
                 raise req.error or RuntimeError(f"request {req.seq_id} failed")
 
     def _text(self, req: Request) -> str:
-        text = self._decode_output(req.prompt_ids, req.output_ids)
-        return text if req.stop_text_len is None else text[: req.stop_text_len]
+        return self._text_of(req.prompt_ids, req.output_ids, req.stop_text_len)
+
+    def _text_of(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], stop_text_len: int | None
+    ) -> str:
+        """The output's text, cut before a matched stop string."""
+        text = self._decode_output(prompt_ids, output_ids)
+        return text if stop_text_len is None else text[:stop_text_len]
 
     def _decode_output(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
         """Decode output tokens in the context of the prompt's last tokens.
@@ -418,32 +490,59 @@ class Generator:
             token_ids=list(req.output_ids),
             prompt_token_ids=list(req.prompt_ids),
             finish_reason=req.finish_reason.value if req.finish_reason else "unknown",
-            metrics=req.metrics,
+            metrics=req.metrics.snapshot(),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         )
 
 
+def _is_token(t: object) -> bool:
+    """An integer token id: ``int`` or a numpy integer (``numbers.Integral``), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
+def _as_lists(prompts: object) -> object:
+    """Integer tensors and arrays (1-d: one prompt, 2-d: several) as nested lists of ints;
+    floating or boolean ones are refused by name rather than silently truncated."""
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        dtype = prompts.dtype
+        integral = (
+            not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+            if isinstance(prompts, torch.Tensor)
+            else np.issubdtype(dtype, np.integer)
+        )
+        if not integral or prompts.ndim not in (1, 2):
+            raise TypeError(
+                "prompts as a tensor or array must be 1-d or 2-d integer token ids, got "
+                f"{prompts.ndim}-d {dtype}"
+            )
+        return prompts.tolist()
+    if isinstance(prompts, (list, tuple)) and any(
+        isinstance(p, (torch.Tensor, np.ndarray)) for p in prompts
+    ):
+        return [_as_lists(p) if isinstance(p, (torch.Tensor, np.ndarray)) else p for p in prompts]
+    return prompts
+
+
 def _normalize_prompts(prompts: object) -> tuple[bool, list[Prompt]]:
-    """(is_single, list of prompts); raises TypeError naming ``prompts`` otherwise."""
+    """(is_single, list of prompts); raises TypeError naming ``prompts`` otherwise.
+
+    Token ids may be ints, numpy integers, or integer tensors/arrays.
+    """
     if isinstance(prompts, str):
         return True, [prompts]
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
+    prompts = _as_lists(prompts)
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise ValueError("prompts must not be empty")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return True, [list(prompts)]
+        if all(_is_token(t) for t in prompts):
+            return True, [[int(t) for t in prompts]]
         if all(isinstance(p, str) for p in prompts):
             return False, list(prompts)
-        if all(
-            isinstance(p, (list, tuple))
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            for p in prompts
-        ):
-            return False, [list(p) for p in prompts]
+        if all(isinstance(p, (list, tuple)) and all(_is_token(t) for t in p) for p in prompts):
+            return False, [[int(t) for t in p] for p in prompts]
     raise TypeError(
-        "prompts must be a string, a list of token ids, or a list of either, "
+        "prompts must be a string, a list of token ids (ints, numpy integers, or a 1-d integer "
+        "tensor/array), or a list of either, "
         f"got {type(prompts).__name__}"
     )
 
@@ -458,8 +557,11 @@ def _check_components(
                 f"proposer must implement specdec.interfaces.Proposer, got {type(proposer).__name__}"
             )
         k = proposer.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"proposer.num_speculative_tokens must be an int >= 1, got {k!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"proposer.num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {k!r}"
+            )
     if verifier is not None and not isinstance(verifier, Verifier):
         raise TypeError(
             f"verifier must implement specdec.interfaces.Verifier, got {type(verifier).__name__}"

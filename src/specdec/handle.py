@@ -1,11 +1,12 @@
 """A submitted request as the embedding application sees it: follow, stream, await, cancel.
 
 Handles never own a stepping loop of their own: every way of waiting (``result()``,
-``tokens()``, iteration, the async forms) advances the one shared engine through
-``Generator.step()``, which moves *every* submitted request forward. Several consumers, sync
-or async, can therefore follow their own requests at once; the async forms step only when no
-other consumer has stepped since they last yielded control, so concurrent ``async for`` loops
-share one step per round instead of multiplying them.
+``tokens()``, iteration, the async forms) advances the one shared engine through the
+generator, one step at a time, which moves *every* submitted request forward. A consumer steps
+only when no one has stepped since it last looked, so N consumers on N threads (or asyncio
+tasks) share one step per round instead of multiplying them; a consumer that finds another
+thread stepping waits on the generator's lock, not in a polling loop. The async forms run that
+wait on a worker thread (``asyncio.to_thread``), so the event loop never blocks on a step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
-from specdec.request import FinishReason, Request
+from specdec.request import FinishReason, Request, RequestView
 
 if TYPE_CHECKING:
     from specdec.generator import GenerationOutput, Generator
@@ -82,62 +83,66 @@ class RequestHandle:
 
     def result(self) -> GenerationOutput:
         """Step the engine until this request is done; its output, or its error raised."""
-        while not self.done:
-            self._gen._step_for(self._req)
+        for _ in self._views():
+            pass
         return self._gen._finished_output(self._req)
 
     # ---------------------------------------------------------------- streaming
+    def _views(self) -> Iterator[RequestView]:
+        """The request's progress after each step that moved it (first: as it is now); raises
+        its error once it has ended, if it failed."""
+        view = self._gen._progress(self._req, None)
+        while True:
+            yield view
+            if view.finished:
+                break
+            view = self._gen._progress(self._req, view.steps)
+        self._gen._raise_if_failed([self._req])
+
+    async def _views_async(self) -> AsyncIterator[RequestView]:
+        """:meth:`_views` for asyncio: each wait for a step runs on a worker thread."""
+        view = await asyncio.to_thread(self._gen._progress, self._req, None)
+        while True:
+            yield view
+            if view.finished:
+                break
+            view = await asyncio.to_thread(self._gen._progress, self._req, view.steps)
+        self._gen._raise_if_failed([self._req])
+
     def tokens(self) -> Iterator[list[int]]:
         """Yield each step's newly emitted token ids (``[int]``, non-empty) until done."""
         sent = 0
-        while True:
-            ids = self._req.output_ids
-            if len(ids) > sent:
-                yield ids[sent:]
-                sent = len(ids)
-            if self.done:
-                break
-            self._gen._step_for(self._req)
-        self._gen._raise_if_failed([self._req])
+        for view in self._views():
+            if len(view.output_ids) > sent:
+                yield list(view.output_ids[sent:])
+                sent = len(view.output_ids)
 
     def __iter__(self) -> Iterator[str]:
         """Yield text deltas (needs a tokenizer; a delta never ends inside a character)."""
         deltas = _TextDeltas(self._gen, self._req)
-        for _ in self.tokens():
-            if delta := deltas.pull():
+        for view in self._views():
+            if delta := deltas.pull(view):
                 yield delta
-        if delta := deltas.pull():
-            yield delta
 
     async def tokens_async(self) -> AsyncIterator[list[int]]:
         """The asyncio form of :meth:`tokens`: ``async for chunk in handle.tokens_async()``.
 
-        Steps run on the event loop's thread (a step is short and holds no lock); between
-        steps the loop runs other tasks. A consumer steps only when no one else has stepped
-        since it last yielded control, so N concurrent consumers share one step per round.
+        Waiting for a step (and running one, when no one else is) happens on a worker thread,
+        so the event loop runs other tasks meanwhile; N concurrent consumers share one step
+        per round.
         """
-        sent, seen = 0, -1
-        while True:
-            ids = self._req.output_ids
-            if len(ids) > sent:
-                yield ids[sent:]
-                sent = len(ids)
-            if self.done:
-                break
-            if self._gen.num_steps == seen:  # no one stepped since this consumer last waited
-                self._gen._step_for(self._req)
-            seen = self._gen.num_steps
-            await asyncio.sleep(0)
-        self._gen._raise_if_failed([self._req])
+        sent = 0
+        async for view in self._views_async():
+            if len(view.output_ids) > sent:
+                yield list(view.output_ids[sent:])
+                sent = len(view.output_ids)
 
     async def stream_async(self) -> AsyncIterator[str]:
         """The asyncio form of iterating the handle: text deltas."""
         deltas = _TextDeltas(self._gen, self._req)
-        async for _ in self.tokens_async():
-            if delta := deltas.pull():
+        async for view in self._views_async():
+            if delta := deltas.pull(view):
                 yield delta
-        if delta := deltas.pull():
-            yield delta
 
 
 class _TextDeltas:
@@ -148,10 +153,10 @@ class _TextDeltas:
         self._req = request
         self._sent = ""
 
-    def pull(self) -> str:
-        text = self._gen._text(self._req)
+    def pull(self, view: RequestView) -> str:
+        text = self._gen._text_of(self._req.prompt_ids, view.output_ids, view.stop_text_len)
         # "\ufffd" at the end is a multi-byte character cut between tokens: wait for the rest.
-        if (not self._req.finished and text.endswith("\ufffd")) or len(text) <= len(self._sent):
+        if (not view.finished and text.endswith("\ufffd")) or len(text) <= len(self._sent):
             return ""
         delta = text[len(self._sent) :]
         self._sent = text

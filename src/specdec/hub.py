@@ -40,6 +40,7 @@ from types import MappingProxyType
 import attrs
 
 from specdec.config import positive_int
+from specdec.paths import cache_root
 
 __all__ = [
     "KnownModel",
@@ -206,12 +207,6 @@ KNOWN_MODELS: Mapping[str, KnownModel] = MappingProxyType(
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def cache_root() -> Path:
-    """The cache directory: ``$SPECDEC_CACHE`` when set and non-empty, else ``~/.cache/specdec``."""
-    env = os.environ.get("SPECDEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
 
 
 def fetch(

@@ -34,6 +34,15 @@ class SpecMetrics:
     k_histogram: dict[int, int] = attrs.field(factory=dict)
     elapsed_s: float = 0.0
 
+    def snapshot(self) -> SpecMetrics:
+        """An independent copy (the totals go on changing while requests run)."""
+        return attrs.evolve(
+            self,
+            accepted_per_position=list(self.accepted_per_position),
+            drafted_per_position=list(self.drafted_per_position),
+            k_histogram=dict(self.k_histogram),
+        )
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0

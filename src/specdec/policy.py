@@ -244,9 +244,6 @@ class AdaptivePolicyConfig:
     - ``probe_budget``: the share of throughput that probing requests whose drafts were
       switched off may cost; ``min_probe_interval``: steps at k = 0 before a request may be
       probed at all.
-    - ``fixed_k_for_seeded_sampling``: steps whose batch holds a sampled request with a
-      ``seed`` draft the full k, as :class:`FixedPolicy` would, because a seeded sample depends
-      on the k of every step and adaptive choices follow measured timings (see docs/concepts.md).
     """
 
     decay: float = attrs.field(default=0.9, validator=_unit_open)
@@ -256,12 +253,6 @@ class AdaptivePolicyConfig:
     cost_decay: float = attrs.field(default=0.8, validator=_unit_open)
     probe_budget: float = attrs.field(default=0.01, validator=_positive)
     min_probe_interval: int = attrs.field(default=8, validator=positive_int)
-    fixed_k_for_seeded_sampling: bool = attrs.field(default=True)
-
-    @fixed_k_for_seeded_sampling.validator
-    def _bool(self, attribute: attrs.Attribute, value: object) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(f"{attribute.name} must be a bool, got {type(value).__name__}")
 
 
 @attrs.define
@@ -359,11 +350,7 @@ class AdaptivePolicy:
         caps = [min(c, ctx.max_k) for c in ctx.caps]
         for seq_id in ctx.seq_ids:
             self._requests.setdefault(seq_id, _Counts())
-        if self.config.fixed_k_for_seeded_sampling and any(
-            p.seed is not None and not p.is_greedy for p in ctx.params
-        ):
-            ks = caps
-        elif not self.target_cost.measured:
+        if not self.target_cost.measured:
             ks = [0] * len(caps)  # no costs yet: a plain step measures one
         else:
             acc = [self.acceptance(s) for s in ctx.seq_ids]

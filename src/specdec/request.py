@@ -10,8 +10,16 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
+from specdec.noise import SeededNoise
 
-__all__ = ["Request", "RequestError", "RequestStatus", "FinishReason", "TokenLogprob"]
+__all__ = [
+    "Request",
+    "RequestError",
+    "RequestStatus",
+    "RequestView",
+    "FinishReason",
+    "TokenLogprob",
+]
 
 
 class RequestError(RuntimeError):
@@ -41,6 +49,17 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]  # the top-n (token id, logprob) alternatives
 
 
+@attrs.frozen(eq=False)
+class RequestView:
+    """A consistent picture of one request, taken between two engine steps: what a
+    consumer on another thread may read while the next step mutates the request."""
+
+    steps: int  # the generator's engine steps when the view was taken
+    output_ids: tuple[int, ...]
+    stop_text_len: int | None
+    finished: bool
+
+
 @attrs.define(eq=False)
 class Request:
     """A request inside the engine. ``token_ids`` = prompt + output; the target's KV holds
@@ -49,7 +68,7 @@ class Request:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # the stream of an unseeded sampled request
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # context limit: generation stops with LENGTH at this many tokens
     decode: Callable[[Sequence[int]], str] | None = None  # for stop strings
@@ -66,6 +85,23 @@ class Request:
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+
+    def randomness(self) -> torch.Generator | SeededNoise | None:
+        """This step's source of random draws for the request (one per row, see
+        :data:`specdec.sampling.RowRandom`): a seeded sampled request's noise at the position
+        of its next token, so its draws depend on its own history alone; else its stream."""
+        if self.params.seed is not None and not self.params.is_greedy:
+            return SeededNoise(seed=self.params.seed, position=len(self.token_ids))
+        return self.generator
+
+    def view(self, steps: int) -> RequestView:
+        """A copy of the progress a consumer reads (call between steps, under the lock)."""
+        return RequestView(
+            steps=steps,
+            output_ids=tuple(self.output_ids),
+            stop_text_len=self.stop_text_len,
+            finished=self.finished,
+        )
 
     @property
     def output_ids(self) -> list[int]:

@@ -8,8 +8,10 @@ softmax``, with one deliberate choice where those are ambiguous: tokens *tied* w
 token a top-p cut keeps are kept too (``transformers`` keeps an arbitrary subset of them, by
 sort order), which makes the result independent of sort order, as top-k and min-p already are.
 
-Randomness comes only from explicit ``torch.Generator`` objects (``None`` means the default
-RNG, for callers that do not need reproducibility).
+Randomness comes only from a row's explicit source (:data:`RowRandom`): a
+``torch.Generator`` stream (``None`` means the default RNG, for callers that do not need
+reproducibility), or, for seeded requests, :class:`~specdec.noise.SeededNoise`, whose draw at
+a token position depends on the seed and that position alone.
 
 Example:
     >>> st = SamplingTensors.from_params([SamplingParams(temperature=0.8, top_p=0.9)], "cpu")
@@ -26,8 +28,10 @@ import attrs
 import torch
 
 from specdec.config import SamplingParams
+from specdec.noise import SeededNoise, race_sample
 
 __all__ = [
+    "RowRandom",
     "SamplingTensors",
     "TorchSampler",
     "draw_uniforms",
@@ -36,7 +40,11 @@ __all__ = [
     "make_generator",
     "processed_probs",
     "sample_from_probs",
+    "shift_rows",
 ]
+
+# One row's randomness: a generator stream, the default RNG (None), or position-keyed noise.
+RowRandom = torch.Generator | SeededNoise | None
 
 # Top-p first looks for its cut among this many highest logits (torch.topk, several times
 # cheaper than a full sort at a 151,936-token vocabulary); rows whose cut lies further out
@@ -239,7 +247,11 @@ def _filtered_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     Greedy rows come back scaled by 1 and unfiltered; callers override them.
     """
     dtype = _compute_dtype(logits)
-    scaled = logits.to(dtype) / st.temperature.to(dtype)[:, None]  # [rows, vocab]
+    raw = logits.to(dtype)
+    # Shifting each row's maximum to 0 first changes no probability but keeps a tiny
+    # temperature from overflowing logits / T to inf (and the softmax to NaN).
+    peak = raw.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)  # [rows, 1]
+    scaled = (raw - peak) / st.temperature.to(dtype)[:, None]  # [rows, vocab]
     if st.any_top_k or st.any_top_p or st.any_min_p:
         cutoff = _filter_cutoff(scaled, st)  # [rows]
         scaled = torch.where(scaled >= cutoff[:, None], scaled, -torch.inf)
@@ -315,6 +327,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+def shift_rows(generators: Sequence[RowRandom], offset: int) -> list[RowRandom]:
+    """Each row's randomness ``offset`` tokens further on: seeded rows move their position
+    (draft step ``j`` draws at ``position + j``); generator streams just go on."""
+    return [g.shifted(offset) if isinstance(g, SeededNoise) else g for g in generators]
+
+
 def draw_uniforms(
     generators: Sequence[torch.Generator | None],
     counts: Sequence[int],
@@ -328,6 +346,11 @@ def draw_uniforms(
     """
     if len(generators) != len(counts):
         raise ValueError(f"got {len(generators)} generators for {len(counts)} rows")
+    if any(isinstance(g, SeededNoise) for g in generators):
+        raise TypeError(
+            "draw_uniforms takes torch.Generator streams; seeded rows (SeededNoise) draw by "
+            "position through race_sample"
+        )
     pieces: list[torch.Tensor] = []
     start = 0
     while start < len(counts):
@@ -361,10 +384,13 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[rows]`` int64. Never a zero-weight token: round-off that lands past the end of the
         CDF, or on a flat step of a non-sequentially summed CDF, moves to the nearest token
-        with positive weight.
+        with positive weight. ``-1`` for a row that is no distribution (weights not finite or
+        all zero), never a made-up token.
     """
     rows, vocab = probs.shape
     cdf = torch.cumsum(probs, dim=-1)  # [rows, vocab]
+    total = cdf[:, -1]  # [rows]
+    valid = torch.isfinite(total) & (total > 0) & (probs >= 0).all(dim=-1)  # [rows] bool
     point = uniforms.to(cdf.dtype) * cdf[:, -1]  # [rows], scaling by the total renormalises
     index = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     bad = probs.gather(1, index[:, None]).squeeze(1) <= 0  # [rows] bool
@@ -375,20 +401,19 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         after = torch.where(positive & (positions > index[:, None]), positions, vocab).amin(dim=-1)
         nearest = torch.where(before >= 0, before, after).clamp(max=vocab - 1)  # [rows]
         index = torch.where(bad, nearest, index)
-    return index
+    return torch.where(valid, index, -1)
 
 
-def sample_from_probs(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row by inverse CDF, with one uniform drawn from that row's generator.
+def sample_from_probs(probs: torch.Tensor, generators: Sequence[RowRandom]) -> torch.Tensor:
+    """One token per row: by inverse CDF with one uniform from the row's generator, or, for a
+    row with :class:`~specdec.noise.SeededNoise`, by :func:`~specdec.noise.race_sample`.
 
     Args:
         probs: ``[rows, vocab]`` float, each row a distribution (or positive weights).
         generators: one per row; ``None`` uses the default RNG.
 
     Returns:
-        ``[rows]`` int64.
+        ``[rows]`` int64; ``-1`` for a row that is no distribution (see :func:`inverse_cdf`).
 
     Example:
         >>> sample_from_probs(torch.tensor([[0.0, 1.0]]), [None])
@@ -396,8 +421,20 @@ def sample_from_probs(
     """
     if probs.dim() != 2:
         raise ValueError(f"probs must be [rows, vocab], got shape {tuple(probs.shape)}")
-    uniforms = draw_uniforms(generators, [1] * probs.shape[0], probs.device)  # [rows] float64
-    return inverse_cdf(probs, uniforms)
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"got {len(generators)} generators for {probs.shape[0]} rows")
+    seeded = [i for i, g in enumerate(generators) if isinstance(g, SeededNoise)]
+    if not seeded:
+        uniforms = draw_uniforms(generators, [1] * probs.shape[0], probs.device)  # [rows]
+        return inverse_cdf(probs, uniforms)
+    streams = [i for i, g in enumerate(generators) if not isinstance(g, SeededNoise)]
+    tokens = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)  # [rows]
+    index = torch.tensor(seeded, dtype=torch.int64, device=probs.device)
+    tokens[index] = race_sample(probs[index], [generators[i] for i in seeded])
+    if streams:
+        index = torch.tensor(streams, dtype=torch.int64, device=probs.device)
+        tokens[index] = sample_from_probs(probs[index], [generators[i] for i in streams])
+    return tokens
 
 
 class TorchSampler:
@@ -416,9 +453,10 @@ class TorchSampler:
         self,
         logits: torch.Tensor,  # [rows, vocab] float
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        generators: Sequence[RowRandom],
     ) -> torch.Tensor:
-        """``[rows]`` int64: one token per logit row."""
+        """``[rows]`` int64: one token per logit row (``-1`` where a sampled row's processed
+        distribution is not finite)."""
         st = SamplingTensors.from_params(params, logits.device)
         _check_logits(logits, st)
         if len(generators) != st.num_rows:

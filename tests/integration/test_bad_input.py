@@ -13,12 +13,16 @@ import json
 import pickle
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from helpers import random_head
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
+from specdec.config import MAX_SPECULATIVE_TOKENS
 from specdec.models.loading import load_model
-from specdec.proposers import DraftModel, PromptLookup, TokenListProposer
+from specdec.proposers import DraftModel, MTPHead, PromptLookup, TokenListProposer
+from specdec.request import RequestError
 from specdec.types import DraftProposal, ProposalKind
 from specdec.verify.chain import ChainVerifier
 
@@ -100,6 +104,10 @@ BAD_PROMPTS = {
     ),
     "bool-token": ([[1, True]], TypeError, "prompts must be a string, a list of token ids"),
     "float-tokens": ([1.0, 2.0], TypeError, "prompts must be a string, a list of token ids"),
+    "float-array": (np.array([1.0, 2.0]), TypeError, "integer token ids, got 1-d float64"),
+    "bool-tensor": (torch.tensor([True]), TypeError, "integer token ids, got 1-d torch.bool"),
+    "3-d-array": (np.zeros((1, 1, 2), dtype=np.int64), TypeError, "1-d or 2-d integer"),
+    "array-past-vocab": (np.array([1, VOCAB]), ValueError, r"token ids must be in \[0, 101\)"),
     "none": (None, TypeError, "prompts must be"),
     "int": (7, TypeError, "prompts must be"),
 }
@@ -148,6 +156,29 @@ def test_valid_edge_prompts_are_accepted(gen):
     assert_clean(gen)
 
 
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        np.array([4, 5, 6]),
+        np.array([4, 5, 6], dtype=np.int32),
+        [np.int64(4), np.int32(5), 6],
+        torch.tensor([4, 5, 6], dtype=torch.int32),
+    ],
+    ids=["int64-array", "int32-array", "numpy-integers", "int32-tensor"],
+)
+def test_numpy_prompts_are_accepted_like_lists(gen, prompt):
+    expected = gen.generate([4, 5, 6], OK).token_ids
+    out = gen.generate(prompt, OK)
+    assert out.prompt_token_ids == [4, 5, 6] and out.token_ids == expected
+    assert gen.submit(prompt, OK).result().token_ids == expected
+    assert len("".join(gen.stream(prompt, OK))) == 0  # no tokenizer: empty text, no error
+    outs = gen.generate(np.array([[4, 5, 6], [4, 5, 6]]), OK)
+    assert [o.token_ids for o in outs] == [expected, expected]
+    outs = gen.generate([np.array([4, 5, 6]), [4, 5, 6]], OK)
+    assert [o.token_ids for o in outs] == [expected, expected]
+    assert_clean(gen)
+
+
 # --- SamplingParams ----------------------------------------------------------------------------
 
 BAD_PARAMS = [
@@ -176,6 +207,9 @@ BAD_PARAMS = [
     (dict(stop=[3]), ValueError, "stop must hold non-empty strings"),
     (dict(stop_token_ids=[-2]), ValueError, "stop_token_ids must hold token ids >= 0"),
     (dict(logprobs=-1), ValueError, "logprobs must be >= 0"),
+    (dict(ignore_eos=1), TypeError, "ignore_eos must be a bool, got int"),
+    (dict(ignore_eos="no"), TypeError, "ignore_eos must be a bool, got str"),
+    (dict(ignore_eos=None), TypeError, "ignore_eos must be a bool, got NoneType"),
 ]
 
 
@@ -185,6 +219,48 @@ BAD_PARAMS = [
 def test_bad_sampling_params(kwargs, error, match):
     with pytest.raises(error, match=match):
         SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_past_the_vocabulary(gen):
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=[3, VOCAB])
+    match = rf"stop_token_ids must be token ids in \[0, {VOCAB}\), got \[{VOCAB}\]"
+    assert_rejected_before_work(gen, lambda g: g.generate([1, 2], params), ValueError, match)
+    assert_rejected_before_work(gen, lambda g: g.submit([1, 2], params), ValueError, match)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_tiny_temperature_samples_the_argmax(gen, temperature):
+    """logits / T overflows for a tiny T: computed safely, it is the argmax (no tie here)."""
+    greedy = gen.generate([1, 2, 3], SamplingParams(max_new_tokens=8, ignore_eos=True)).token_ids
+    for seed in (None, 3):
+        params = SamplingParams(max_new_tokens=8, temperature=temperature, seed=seed, ignore_eos=True)
+        assert gen.generate([1, 2, 3], params).token_ids == greedy
+    assert_clean(gen)
+
+
+def test_non_finite_probabilities_fail_only_their_request(target, monkeypatch):
+    """A sampled request whose processed distribution is NaN fails with a RequestError; it is
+    never given a made-up token, and the rest of its batch completes."""
+    import specdec.sampling as sampling
+
+    real = sampling.processed_probs
+
+    def poisoned(logits, st):
+        probs = real(logits, st)
+        bad = torch.tensor([p.temperature == 0.5 for p in st.params])  # the victim's rows
+        return torch.where(bad[:, None], torch.nan, probs)
+
+    monkeypatch.setattr(sampling, "processed_probs", poisoned)
+    gen = Generator.from_components(target)
+    victim = SamplingParams(max_new_tokens=6, temperature=0.5, seed=1, ignore_eos=True)
+    other = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
+    handles = [gen.submit([1, 2], victim), gen.submit([3, 4], other), gen.submit([5], GREEDY)]
+    with pytest.raises(RequestError, match="sampling probabilities are not finite"):
+        handles[0].result()
+    assert handles[0].output_ids == []
+    assert len(handles[1].result().token_ids) == 6
+    assert len(handles[2].result().token_ids) == 12
+    assert_clean(gen)
 
 
 def test_extreme_valid_seed_works(gen):
@@ -443,6 +519,33 @@ def test_draft_model_needs_a_specdec_model():
         DraftModel.from_model(torch.nn.Linear(2, 2), num_speculative_tokens=2)
 
 
+@pytest.mark.parametrize("k", [MAX_SPECULATIVE_TOKENS + 1, 10_000])
+def test_one_upper_bound_for_k_across_proposers(target, k):
+    match = rf"num_speculative_tokens must be an int in 1\.\.{MAX_SPECULATIVE_TOKENS}"
+    with pytest.raises(ValueError, match=match):
+        DraftModel.from_model(target, num_speculative_tokens=k)
+    with pytest.raises(ValueError, match=match):
+        MTPHead.from_model(random_head(target), num_speculative_tokens=k)
+    with pytest.raises(ValueError, match=match):
+        PromptLookup(num_speculative_tokens=k)
+    with pytest.raises(ValueError, match=match):
+        Generator.from_components(target, proposer=ZeroWidth(k))
+    # The bound itself is allowed everywhere.
+    assert DraftModel.from_model(target, num_speculative_tokens=MAX_SPECULATIVE_TOKENS)
+    assert PromptLookup(num_speculative_tokens=MAX_SPECULATIVE_TOKENS)
+
+
+def test_draft_vocabulary_must_match_the_target(tiny_checkpoint, target):
+    other, _, _ = load_model(tiny_checkpoint("qwen2"), dtype="float64")  # 103 tokens, not 101
+    match = "draft model's vocabulary has 103 tokens but the target's has 101"
+    with pytest.raises(ValueError, match=match):
+        Generator.from_components(target, proposer=DraftModel.from_model(other, num_speculative_tokens=2))
+    gen = Generator.from_components(target)
+    with pytest.raises(ValueError, match=match):
+        gen.with_proposer(DraftModel.from_model(other, num_speculative_tokens=2))
+    assert_clean_and_working(gen)
+
+
 @pytest.mark.parametrize("k", [0, -1, 65, 2.5, "2", None])
 def test_prompt_lookup_bad_num_speculative_tokens(k):
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an int in 1\.\.64"):
@@ -492,11 +595,11 @@ class ZeroWidth(TokenListProposer):
             TypeError,
             "proposer must implement specdec.interfaces.Proposer, got str",
         ),
-        (ZeroWidth(0), ValueError, "proposer.num_speculative_tokens must be an int >= 1, got 0"),
+        (ZeroWidth(0), ValueError, r"proposer.num_speculative_tokens must be an int in 1\.\.64, got 0"),
         (
             ZeroWidth("3"),
             ValueError,
-            "proposer.num_speculative_tokens must be an int >= 1, got '3'",
+            r"proposer.num_speculative_tokens must be an int in 1\.\.64, got '3'",
         ),
     ],
     ids=["object", "partial", "string", "zero-width", "string-width"],
@@ -691,3 +794,64 @@ def test_abandoned_stream_leaves_nothing_behind(stories_path):
     assert_clean(gen)
     del never_started
     assert_clean_and_working(gen)
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from specdec.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["generate", "--target", "/no/such/model", "--prompt", "x"], "specdec: error: "),
+        (["generate", "--target", "{stories}", "--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "--target", "{stories}", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["generate", "--target", "{stories}", "--prompt", "", "--dtype", "float32"], "prompt must not be empty"),
+        (["generate", "--target", "{stories}", "--prompt", "x", "--dtype", "float8"], "dtype"),
+        (["generate", "--target", "{stories}", "--prompt", "x", "--mtp-head", "/no/such/head"], "specdec: error: "),
+    ],
+    ids=["missing-model", "temperature", "max-new-tokens", "empty-prompt", "dtype", "missing-head"],
+)
+def test_cli_errors_are_one_line_and_exit_2(stories_path, capsys, args, match):
+    args = [a.replace("{stories}", str(stories_path)) for a in args]
+    code, out, err = _cli(args, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: "), err
+    assert "Traceback" not in err
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_cli_debug_shows_the_traceback(capsys):
+    from specdec.cli import main
+
+    with pytest.raises(FileNotFoundError):
+        main(["--debug", "generate", "--target", "/no/such/model", "--prompt", "x"])
+
+
+@pytest.mark.parametrize("threads", ["0", "-2", "two"])
+def test_cli_rejects_bad_thread_counts(stories_path, capsys, threads):
+    code, _, err = _cli(
+        ["generate", "--target", str(stories_path), "--prompt", "x", "--threads", threads], capsys
+    )
+    assert code == 2 and "--threads: must be an int >= 1" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--draft", "a", "--prompt-lookup"], ["--mtp-head", "a", "--draft", "b"], ["-k", "0"], ["--policy", "greedy"]],
+    ids=["draft-and-lookup", "mtp-and-draft", "k-zero", "policy"],
+)
+def test_cli_rejects_bad_proposer_flags(stories_path, capsys, args):
+    code, _, err = _cli(["generate", "--target", str(stories_path), "--prompt", "x", *args], capsys)
+    assert code == 2 and "usage:" in err

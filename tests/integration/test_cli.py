@@ -1,17 +1,50 @@
-"""The ``specdec`` command line on the bundled model."""
+"""The ``specdec`` command line on the bundled model (bad input: test_bad_input.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.cli import bundled_model_path, main
+
+MTP_HEAD = bundled_model_path().parent / "stories260K-mtp"
+
+
+def _common(*extra: str) -> list[str]:
+    path = str(bundled_model_path())
+    return ["generate", "--target", path, "--prompt", "Once upon a time", "--max-new-tokens", "12", "--dtype", "float32", *extra]
 
 
 def test_generate_plain_and_speculative(capsys):
-    path = str(bundled_model_path())
-    common = ["--target", path, "--prompt", "Once upon a time", "--max-new-tokens", "12", "--dtype", "float32"]
-    assert main(["generate", *common]) == 0
+    assert main(_common()) == 0
     plain = capsys.readouterr().out
-    assert main(["generate", *common, "--draft", path, "-k", "3"]) == 0
+    assert main(_common("--draft", str(bundled_model_path()), "-k", "3")) == 0
     spec = capsys.readouterr().out
     assert "there was a little girl" in plain
     assert plain.split("\n[")[0] == spec.split("\n[")[0]  # same text with speculation
     assert "acceptance 1.00" in spec
+
+
+@pytest.mark.parametrize(
+    "proposer",
+    [["--prompt-lookup"], ["--mtp-head", str(MTP_HEAD)], ["--draft", str(bundled_model_path())]],
+    ids=["lookup", "mtp", "draft"],
+)
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_generate_chooses_the_proposer_and_policy(capsys, proposer, policy):
+    assert main(_common()) == 0
+    plain = capsys.readouterr().out.split("\n[")[0]
+    assert main(_common(*proposer, "-k", "2", "--policy", policy)) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n[")[0] == plain
+    assert "acceptance" in out
+
+
+def test_stream_with_several_prompts_streams_each(capsys):
+    args = _common("--prompt", "The little dog")
+    assert main(args) == 0
+    batch = capsys.readouterr().out
+    assert main([*args, "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    for prompt in ("'Once upon a time'", "'The little dog'"):
+        assert f"--- {prompt}" in streamed
+    assert streamed.split("\n[")[0].strip() == batch.split("\n[")[0].strip()

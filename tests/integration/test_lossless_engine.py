@@ -11,13 +11,19 @@ joint of positions 2-3 and on the joint of all three must not reject it. The sam
 must reject a verifier with a deliberately wrong rule (negative controls), so a pass means
 something.
 
-Everything is seeded, so the p-values are fixed numbers; ALPHA bounds the chance that a change
-which merely reshuffles the random streams makes the correct rule fail.
+Two kinds of sampled request take different verification rules, so both run: requests without
+a seed (``stream``: rejection sampling from each request's generator stream) and requests
+with one (``seeded``: the coupled rule over position-keyed noise, specdec.noise).
+
+Everything is seeded (the unseeded requests' streams by a patched ``make_generator``), so the
+p-values are fixed numbers; ALPHA bounds the chance that a change which merely reshuffles the
+random streams makes the correct rule fail.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 from unittest import mock
 
@@ -27,12 +33,12 @@ import torch
 from conftest import make_hf_model
 from helpers import chi_square_pvalue
 
-from specdec import CacheConfig, Generator, SamplingParams
+from specdec import CacheConfig, Generator, SamplingParams, noise
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
 from specdec.proposers import DraftModel, MTPHead
-from specdec.sampling import SamplingTensors, processed_probs
+from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
 
@@ -49,8 +55,9 @@ CASES = {
 }
 STATISTICS = ("position 1", "position 2", "position 3", "joint 2-3", "joint 1-2-3")
 PROPOSERS = ("draft", "mtp")
+MODES = ("stream", "seeded")
 # Family-wise 1e-3 over every test of the correct rule, by Bonferroni.
-ALPHA = 1e-3 / (len(CASES) * len(PROPOSERS) * len(STATISTICS))
+ALPHA = 1e-3 / (len(CASES) * len(PROPOSERS) * len(MODES) * len(STATISTICS))
 
 
 
@@ -95,11 +102,24 @@ def build_models():
     return hf_target, _specdec_model(hf_target), _specdec_model(hf_draft)
 
 
-def _params(case: str, seed: int | None) -> SamplingParams:
+def _params(case: str, seed: int | None, mode: str = "seeded") -> SamplingParams:
+    """Greedy for ``seed=None``; sampled otherwise, with ``seed`` in the seeded mode only (the
+    stream mode's requests draw from the patched generators of :func:`_streams`)."""
     kwargs = CASES[case][0] if seed is not None else dict(temperature=0.0)
     # Five tokens so that after the prefill token every request may still draft k <= 3 tokens
     # (the engine never drafts past a request's remaining budget); positions 1-3 are tested.
+    seed = seed if mode == "seeded" else None
     return SamplingParams(max_new_tokens=5, seed=seed, ignore_eos=True, **kwargs)
+
+
+def _streams(first: int):
+    """Unseeded requests get generators with fixed (not random) well-mixed seeds, numbered
+    from ``first``, so the test is repeatable. (Seeds 0, 1, 2, ... might not do: mt19937
+    generators with neighbouring seeds start alike.)"""
+    seeds = (noise.row_key(77, i) for i in itertools.count(first))
+    return mock.patch(
+        "specdec.generator.make_generator", lambda seed, device: make_generator(next(seeds), device)
+    )
 
 
 def exact_joint(hf_target, params: SamplingParams) -> torch.Tensor:
@@ -116,7 +136,9 @@ def exact_joint(hf_target, params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample(models, case: str, verifier=None, proposer: str = "draft") -> tuple[torch.Tensor, Generator]:
+def sample(
+    models, case: str, verifier=None, proposer: str = "draft", mode: str = "stream"
+) -> tuple[torch.Tensor, Generator]:
     """[NUM_RUNS, 3] int64 tokens emitted by NUM_RUNS seeded sampled requests through the engine.
 
     Every batch also carries greedy requests, which must come out as plain greedy decoding.
@@ -141,10 +163,11 @@ def sample(models, case: str, verifier=None, proposer: str = "draft") -> tuple[t
     sampled: list[list[int]] = []
     for b in range(NUM_BATCHES):
         params = [
-            _params(case, None if i % GREEDY_EVERY == GREEDY_EVERY - 1 else b * BATCH + i)
+            _params(case, None if i % GREEDY_EVERY == GREEDY_EVERY - 1 else b * BATCH + i, mode)
             for i in range(BATCH)
         ]
-        outs = gen.generate([PROMPT] * BATCH, params)
+        with _streams(first=b * BATCH):
+            outs = gen.generate([PROMPT] * BATCH, params)
         for out, p in zip(outs, params):
             if p.is_greedy:
                 assert out.token_ids[:3] == plain_greedy[:3]
@@ -157,10 +180,12 @@ def sample(models, case: str, verifier=None, proposer: str = "draft") -> tuple[t
     return torch.tensor(sampled), gen
 
 
-def run_case(models, case: str, verifier=None, proposer: str = "draft") -> tuple[dict[str, float], Generator]:
+def run_case(
+    models, case: str, verifier=None, proposer: str = "draft", mode: str = "stream"
+) -> tuple[dict[str, float], Generator]:
     """Chi-square p-value of each statistic against the exact target distribution."""
     joint = exact_joint(models[0], SamplingParams(**CASES[case][0]))
-    tokens, gen = sample(models, case, verifier, proposer)
+    tokens, gen = sample(models, case, verifier, proposer, mode)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=F64)
     counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=F64), accumulate=True)
     result = {
@@ -174,10 +199,11 @@ def run_case(models, case: str, verifier=None, proposer: str = "draft") -> tuple
     return result, gen
 
 
-@pytest.mark.parametrize("proposer", ["draft", "mtp"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_generator_output_matches_the_target_distribution(models, case, proposer):
-    result, gen = run_case(models, case, proposer=proposer)
+def test_generator_output_matches_the_target_distribution(models, case, proposer, mode):
+    result, gen = run_case(models, case, proposer=proposer, mode=mode)
     assert min(result.values()) > ALPHA, result
     # Both branches of the rule were exercised, at the draft positions that feed positions 2-3.
     m = gen.metrics
@@ -247,3 +273,13 @@ def test_the_check_rejects_an_mtp_head_that_misreports_its_distribution(models, 
     )
     result, _ = run_case(models, "t1.0-k3", proposer="mtp")
     assert min(result.values()) < ALPHA, result
+
+
+def test_the_check_rejects_seeded_noise_that_ignores_the_position(models, monkeypatch):
+    """Plausible bug in the seeded rule: the noise keyed by the seed alone, so every position
+    of a request reuses one noise vector. Each position alone is still distributed right; the
+    joint statistics must see the dependence."""
+    real = noise.row_key
+    monkeypatch.setattr(noise, "row_key", lambda seed, position: real(seed, 0))
+    result, _ = run_case(models, "t1.0-k3", proposer="draft", mode="seeded")
+    assert min(result["joint 2-3"], result["joint 1-2-3"]) < ALPHA, result

@@ -7,27 +7,14 @@ import json
 
 import pytest
 import torch
-from helpers import random_prompts
+from helpers import random_head, random_prompts
 
 from specdec import Generator, SamplingParams
-from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_mtp_head, save_mtp_head
+from specdec.models.heads import MTPHeadModel, load_mtp_head, save_mtp_head
 from specdec.models.loading import load_model
 from specdec.proposers import MTPHead
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
-
-
-def random_head(target, seed: int = 0, *, use_input_norms: bool = True, scale: float = 1.0) -> MTPHeadModel:
-    """A head with random weights (non-trivial norms) in the target's dtype."""
-    torch.manual_seed(seed)
-    head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config, use_input_norms=use_input_norms))
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.mul_(scale)
-    return head.to(target.dtype).eval().requires_grad_(False)
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:

@@ -140,11 +140,13 @@ def test_logprobs_identical_with_and_without_speculation(stories_path):
     b = spec.generate("Once upon a time", params)
     assert a.token_ids == b.token_ids
     assert len(a.logprobs) == len(b.logprobs) == 40
+    # float32 logits of a 5-row verify pass and a 1-row decode pass differ in the last bits
+    # (GEMM blocking), ~1e-5 on logprobs of magnitude ~10.
     for x, y in zip(a.logprobs, b.logprobs):
         assert x.token_id == y.token_id
-        assert abs(x.logprob - y.logprob) < 1e-5
+        assert abs(x.logprob - y.logprob) < 1e-4
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
-        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-5
+        assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < 1e-4
 
 
 def test_stop_string_inside_accepted_draft(stories_path):

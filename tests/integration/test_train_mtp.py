@@ -133,5 +133,9 @@ def test_cli_trains_a_head_that_generates_exactly(stories_path, tmp_path, capsys
     assert gen.generate("Once upon a time", params).token_ids == plain.generate("Once upon a time", params).token_ids
     with pytest.raises(SystemExit):
         main(["train-mtp", "--target", str(stories_path), "--out", str(out), "--vocab", "bad"])
+    capsys.readouterr()
+    bad_steps = ["train-mtp", "--target", str(stories_path), "--out", str(out), "--steps", "0", "--self-distill", "2"]
+    assert main(bad_steps) == 2  # one line on stderr, exit status 2
+    assert "steps must be >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="steps"):
-        main(["train-mtp", "--target", str(stories_path), "--out", str(out), "--steps", "0", "--self-distill", "2"])
+        main(["--debug", *bad_steps])

@@ -299,20 +299,6 @@ def test_fixed_policy_rejects_bad_k(k, error):
         FixedPolicy(k)
 
 
-def test_seeded_sampling_in_the_batch_drafts_the_full_k():
-    policy = AdaptivePolicy()
-    compute_bound(policy)  # adaptive would say 0
-    seeded = SamplingParams(max_new_tokens=64, temperature=0.8, seed=1)
-    ctx = context(2)
-    ctx = SpeculationContext(
-        seq_ids=ctx.seq_ids, params=(GREEDY, seeded), caps=(2, 100), unseen=(0, 0), max_k=MAX_K
-    )
-    assert policy.choose(ctx) == (2, MAX_K)
-    free = AdaptivePolicy(AdaptivePolicyConfig(fixed_k_for_seeded_sampling=False))
-    compute_bound(free)
-    assert free.choose(ctx) == (0, 0)
-
-
 def test_no_costs_measured_means_a_plain_step():
     assert AdaptivePolicy().choose(context(2)) == (0, 0)
 

@@ -76,9 +76,17 @@ def load_kernel() -> object | None:
     """Build (once per machine and torch version, cached on disk) and load the kernel."""
     if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL") or not _cpu_supports_avx2_fma():
         return None
+    try:  # everything, file I/O included: any failure falls back to the torch reference
+        return _build_and_load()
+    except Exception as err:  # noqa: BLE001
+        warnings.warn(f"specdec CPU bf16 kernel unavailable, using torch: {err}", stacklevel=2)
+        return None
+
+
+def _build_and_load() -> object:
     from torch.utils import cpp_extension
 
-    from specdec.hub import cache_root
+    from specdec.paths import cache_root
 
     # Build from a copy at a path keyed by the source's content: every checkout and virtual
     # environment with the same kernel source and torch reuses one build (ninja would rebuild
@@ -91,18 +99,14 @@ def load_kernel() -> object | None:
     stable_source = build_dir / source.name
     if not stable_source.is_file() or stable_source.read_bytes() != code:
         stable_source.write_bytes(code)
-    try:
-        return cpp_extension.load(
-            name="specdec_cpu_linear",
-            sources=[str(stable_source)],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
-    except Exception as err:  # noqa: BLE001 - any build failure falls back to torch
-        warnings.warn(f"specdec CPU bf16 kernel unavailable, using torch: {err}", stacklevel=2)
-        return None
+    return cpp_extension.load(
+        name="specdec_cpu_linear",
+        sources=[str(stable_source)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
 
 
 def kernel_available() -> bool:

@@ -26,7 +26,7 @@ _FORMAT = f"panel{PANEL}-v1"
 
 def packed_cache_file(sources: list[Path]) -> Path:
     """Where the packed model of these checkpoint files lives (it may not exist yet)."""
-    from specdec.hub import cache_root
+    from specdec.paths import cache_root
 
     h = hashlib.sha256(_FORMAT.encode())
     for f in sources:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specdec.config import MAX_SPECULATIVE_TOKENS
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.types import DraftProposal, ProposalKind, pad_rows
@@ -33,9 +34,12 @@ class TokenListProposer:
         if (
             not isinstance(num_speculative_tokens, int)
             or isinstance(num_speculative_tokens, bool)
-            or not 1 <= num_speculative_tokens <= 64
+            or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
         ):
-            raise ValueError(f"num_speculative_tokens must be an int in 1..64, got {num_speculative_tokens!r}")
+            raise ValueError(
+                f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
+                f"got {num_speculative_tokens!r}"
+            )
         self.num_speculative_tokens = num_speculative_tokens
 
     def draft(self, token_ids: Sequence[int], k: int) -> list[int]:

@@ -16,12 +16,12 @@ from pathlib import Path
 import attrs
 import torch
 
-from specdec.config import positive_int
+from specdec.config import speculative_tokens
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
-from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs
+from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind
 
 __all__ = ["DraftModel", "DraftModelConfig"]
@@ -29,7 +29,7 @@ __all__ = ["DraftModel", "DraftModelConfig"]
 
 @attrs.frozen(kw_only=True)
 class DraftModelConfig:
-    num_speculative_tokens: int = attrs.field(default=4, validator=positive_int)
+    num_speculative_tokens: int = attrs.field(default=4, validator=speculative_tokens)
 
 
 class DraftModel:
@@ -71,6 +71,18 @@ class DraftModel:
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
+    def attach(self, target: LlamaModel) -> None:
+        """Check that this draft can speak for ``target``: one vocabulary (draft ids index the
+        target's embedding, and draft distributions are compared with the target's)."""
+        draft_vocab = self.model.config.vocab_size
+        target_vocab = target.config.vocab_size
+        if draft_vocab != target_vocab:
+            raise ValueError(
+                f"proposer: the draft model's vocabulary has {draft_vocab} tokens but the "
+                f"target's has {target_vocab}; a draft model must share the target's tokenizer "
+                "and vocabulary size"
+            )
+
     def kv_specs(self) -> tuple[KVSpec, ...]:
         return (self.model.config.kv_spec("draft", self.model.dtype),)
 
@@ -93,7 +105,7 @@ class DraftModel:
                 tokens = logits.argmax(dim=-1)
             else:
                 step_probs = processed_probs(logits, st)  # one-hot rows for greedy requests
-                tokens = sample_from_probs(step_probs, ctx.generators)
+                tokens = sample_from_probs(step_probs, shift_rows(ctx.generators, step))
                 probs.append(step_probs)
             drafted.append(tokens)
             starts = [s + len(r) for s, r in zip(starts, rows)]

@@ -23,13 +23,13 @@ from pathlib import Path
 import attrs
 import torch
 
-from specdec.config import positive_int
+from specdec.config import speculative_tokens
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
 from specdec.models.llama import LlamaModel
 from specdec.models.packed import linear_weights, pack_linears, should_pack
-from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs
+from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind, pad_rows
 
 __all__ = ["MTPHead", "MTPHeadProposerConfig"]
@@ -37,7 +37,7 @@ __all__ = ["MTPHead", "MTPHeadProposerConfig"]
 
 @attrs.frozen(kw_only=True)
 class MTPHeadProposerConfig:
-    num_speculative_tokens: int = attrs.field(default=1, validator=positive_int)
+    num_speculative_tokens: int = attrs.field(default=1, validator=speculative_tokens)
 
 
 class MTPHead:
@@ -173,7 +173,7 @@ class MTPHead:
                     tokens = logits.argmax(dim=-1)
                 else:
                     step_probs = processed_probs(logits, st)
-                    tokens = sample_from_probs(step_probs, gens)
+                    tokens = sample_from_probs(step_probs, shift_rows(gens, j))
                     probs_out[live, j] = step_probs.to(probs_out.dtype)
                 for row, tok in zip(live, tokens.tolist()):
                     drafts[row].append(tok)

@@ -11,6 +11,11 @@ token is drawn from ``normalize(max(target_j - draft_j, 0))``; after ``n`` accep
 bonus token is drawn from ``target_n``. Every emitted token is then distributed exactly as
 if drawn from the target alone.
 
+Seeded sampled requests use the coupled rule instead (:func:`coupled_verify`): each verify
+row's token is the one plain decoding with that seed would choose at that position
+(:mod:`specdec.noise`), and drafts are accepted while they equal those tokens. The output is
+then the plain seeded output itself, whatever was drafted and whatever shared the batch.
+
 Example:
     >>> num_accepted, emitted = greedy_verify(target_logits, draft_token_ids, (3, 0))
 """
@@ -22,13 +27,22 @@ from collections.abc import Sequence
 import torch
 
 from specdec.config import SamplingParams
-from specdec.sampling import SamplingTensors, draw_uniforms, inverse_cdf, processed_probs
+from specdec.noise import SeededNoise, race_sample
+from specdec.sampling import (
+    RowRandom,
+    SamplingTensors,
+    draw_uniforms,
+    inverse_cdf,
+    processed_probs,
+)
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, VerifyResult
 
 __all__ = [
     "ChainVerifier",
     "acceptance_probability",
+    "coupled_verify",
     "greedy_verify",
+    "match_verify",
     "rejection_verify",
     "residual_distribution",
 ]
@@ -83,6 +97,40 @@ def _emitted(
     return emitted.scatter_(1, num_accepted[:, None], final_token[:, None])
 
 
+def match_verify(
+    target_tokens: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts while they equal the target's own token for that row.
+
+    Args:
+        target_tokens: ``[batch, width + 1]`` int64, the token the target chooses at each
+            verify row (its argmax, or its seeded draw).
+        draft_token_ids: ``[batch, width]`` int64, ``PAD_TOKEN_ID`` past each sequence's drafts.
+        num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
+
+    Returns:
+        ``num_accepted`` ``[batch]`` int64 and ``emitted`` ``[batch, width + 1]`` int64: the
+        accepted drafts, then the target's token at the first mismatching row (recovered) or
+        at row ``n`` (bonus), then ``PAD_TOKEN_ID``.
+    """
+    batch, width = draft_token_ids.shape
+    if target_tokens.shape != (batch, width + 1):
+        raise ValueError(
+            f"target_tokens must be [batch, width + 1] = {(batch, width + 1)}, "
+            f"got {tuple(target_tokens.shape)}"
+        )
+    counts = _draft_counts(num_draft_tokens, batch, width)
+    device = target_tokens.device
+    n = torch.tensor(counts, dtype=torch.int64, device=device)  # [batch]
+    positions = torch.arange(width, device=device)  # [width]
+    matches = (draft_token_ids == target_tokens[:, :width]) & (positions < n[:, None])
+    num_accepted = _prefix_length(matches)  # [batch]
+    final_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
+    return num_accepted, _emitted(draft_token_ids, num_accepted, final_token)
+
+
 def greedy_verify(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -96,9 +144,7 @@ def greedy_verify(
         num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
 
     Returns:
-        ``num_accepted`` ``[batch]`` int64 and ``emitted`` ``[batch, width + 1]`` int64: the
-        accepted drafts, then the argmax of the first mismatching row (recovered) or of row
-        ``n`` (bonus), then ``PAD_TOKEN_ID``.
+        ``num_accepted`` and ``emitted`` as for :func:`match_verify`.
 
     Example:
         >>> logits = torch.full((1, 3, 4), -100.0); logits[0, [0, 1, 2], [2, 3, 1]] = 100.0
@@ -106,16 +152,36 @@ def greedy_verify(
         (tensor([1]), tensor([[ 2,  3, -1]]))
     """
     _check_chain_shapes(target_logits, draft_token_ids)
-    batch, width = draft_token_ids.shape
-    counts = _draft_counts(num_draft_tokens, batch, width)
-    device = target_logits.device
-    n = torch.tensor(counts, dtype=torch.int64, device=device)  # [batch]
-    target_tokens = target_logits.argmax(dim=-1)  # [batch, width + 1] int64
-    positions = torch.arange(width, device=device)  # [width]
-    matches = (draft_token_ids == target_tokens[:, :width]) & (positions < n[:, None])
-    num_accepted = _prefix_length(matches)  # [batch]
-    final_token = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [batch]
-    return num_accepted, _emitted(draft_token_ids, num_accepted, final_token)
+    return match_verify(target_logits.argmax(dim=-1), draft_token_ids, num_draft_tokens)
+
+
+def coupled_verify(
+    target_probs: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: Sequence[int] | torch.Tensor,
+    noises: Sequence[SeededNoise],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded rule: accept drafts while they equal the seeded draw of each verify row.
+
+    Row ``j`` of sequence ``i`` chooses ``race_sample`` of ``target_probs[i, j]`` with the
+    noise at ``noises[i].position + j``, exactly the token plain decoding with that seed
+    chooses there once the drafts before it are accepted. Every emitted token is therefore
+    that plain token: the output has the target's distribution (each position's noise is
+    fresh) and does not depend on the drafts, which only decide how many tokens one step
+    emits. No draft probabilities are needed.
+
+    Args:
+        target_probs: ``[batch, width + 1, vocab]`` float, the target's processed distribution.
+        draft_token_ids: ``[batch, width]`` int64, ``PAD_TOKEN_ID`` past each sequence's drafts.
+        num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
+        noises: one per sequence, at the position of its verify row 0's token.
+
+    Returns:
+        ``num_accepted`` and ``emitted`` as for :func:`match_verify`; a row whose distribution
+        is not finite chooses ``-1``, which no draft matches.
+    """
+    _check_chain_shapes(target_probs, draft_token_ids)
+    return match_verify(race_sample(target_probs, noises), draft_token_ids, num_draft_tokens)
 
 
 def acceptance_probability(
@@ -225,6 +291,15 @@ def rejection_verify(
     return num_accepted, _emitted(draft_token_ids, num_accepted, final_token)
 
 
+def _target_probs(
+    target_logits: torch.Tensor,  # [rows, width + 1, vocab] float
+    params: Sequence[SamplingParams],  # one per row
+) -> torch.Tensor:  # [rows, width + 1, vocab], the processed distribution of every verify row
+    rows, width_1, vocab = target_logits.shape
+    st = SamplingTensors.from_params(params, target_logits.device).repeat_rows(width_1)
+    return processed_probs(target_logits.reshape(-1, vocab), st).reshape(rows, width_1, vocab)
+
+
 def _row_index(rows: list[int], batch: int, device: torch.device) -> slice | torch.Tensor:
     """Index of ``rows`` in a batch: a plain slice (a view, no copy) when it is all of them."""
     if len(rows) == batch:
@@ -237,8 +312,10 @@ class ChainVerifier:
 
     Greedy sequences (temperature 0) are verified by token identity (:func:`greedy_verify`),
     consuming no randomness, so speculative greedy output equals plain greedy output token for
-    token. Sampled sequences go through :func:`processed_probs` and :func:`rejection_verify`.
-    Both kinds may share one batch.
+    token. Seeded sampled sequences (a :class:`~specdec.noise.SeededNoise` as their generator)
+    go through :func:`coupled_verify`, so their output equals plain seeded output token for
+    token; other sampled sequences through :func:`rejection_verify`, the rule that accepts
+    the most drafts. All kinds may share one batch.
 
     Example:
         >>> result = ChainVerifier().verify(target_logits, proposal, params, generators)
@@ -250,7 +327,7 @@ class ChainVerifier:
         target_logits: torch.Tensor,  # [batch, width + 1, vocab] float
         proposal: DraftProposal,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        generators: Sequence[RowRandom],
     ) -> VerifyResult:
         if proposal.kind is not ProposalKind.CHAIN:
             raise ValueError(f"ChainVerifier verifies CHAIN proposals, got {proposal.kind}")
@@ -262,31 +339,47 @@ class ChainVerifier:
                 f"got {len(params)} and {len(generators)}"
             )
         counts = _draft_counts(proposal.num_draft_tokens, batch, width)
+        expected = (batch, width, target_logits.shape[2])
+        if proposal.draft_probs is not None and proposal.draft_probs.shape != expected:
+            raise ValueError(
+                f"draft_probs must be [batch, width, vocab] = {expected}, "
+                f"got {tuple(proposal.draft_probs.shape)}"
+            )
         device = target_logits.device
         num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]
         emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
 
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        seeded = [
+            i for i, p in enumerate(params)
+            if not p.is_greedy and isinstance(generators[i], SeededNoise)
+        ]
+        streamed = [
+            i for i, p in enumerate(params)
+            if not p.is_greedy and not isinstance(generators[i], SeededNoise)
+        ]
         if greedy:
             idx = _row_index(greedy, batch, device)
             num_accepted[idx], emitted[idx] = greedy_verify(
                 target_logits[idx], proposal.draft_token_ids[idx], [counts[i] for i in greedy]
             )
-        if sampled:
-            idx = _row_index(sampled, batch, device)
-            vocab = target_logits.shape[2]
-            st = SamplingTensors.from_params([params[i] for i in sampled], device)
-            target_probs = processed_probs(
-                target_logits[idx].reshape(-1, vocab), st.repeat_rows(width + 1)
-            ).reshape(len(sampled), width + 1, vocab)  # [num_sampled, width + 1, vocab]
+        if seeded:
+            idx = _row_index(seeded, batch, device)
+            num_accepted[idx], emitted[idx] = coupled_verify(
+                _target_probs(target_logits[idx], [params[i] for i in seeded]),
+                proposal.draft_token_ids[idx],
+                [counts[i] for i in seeded],
+                [generators[i] for i in seeded],
+            )
+        if streamed:
+            idx = _row_index(streamed, batch, device)
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[idx]
             num_accepted[idx], emitted[idx] = rejection_verify(
-                target_probs,
+                _target_probs(target_logits[idx], [params[i] for i in streamed]),
                 draft_probs,
                 proposal.draft_token_ids[idx],
-                [counts[i] for i in sampled],
-                [generators[i] for i in sampled],
+                [counts[i] for i in streamed],
+                [generators[i] for i in streamed],
             )
 
         rows = torch.arange(width + 1, device=device).expand(batch, width + 1)  # [batch, width + 1]
