@@ -19,7 +19,7 @@ import torch
 from specdec import GenerationOutput, Generator, SamplingParams
 from specdec.cli import bundled_model_path
 from specdec.interfaces import ProposeContext, Proposer, TargetStep
-from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs
+from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind
 
 
@@ -52,12 +52,13 @@ class BigramDraft:
         st = SamplingTensors.from_params(ctx.params, "cpu")
         last = [tokens[-1] for tokens in ctx.token_ids]
         drafted, probs = [], []  # k x [batch] int64, k x [batch, vocab]
-        for _ in range(k):
+        for j in range(k):
             logits = torch.stack([self._logits(s, t) for s, t in zip(ctx.seq_ids, last)])
             # The request's processed distribution of the draft's logits (one-hot for greedy
-            # requests), and a draw from exactly that distribution with the request's generator.
+            # requests), and a draw from exactly that distribution with the request's own
+            # randomness (a seeded request's at the token position of draft j).
             step_probs = processed_probs(logits, st)  # [batch, vocab]
-            tokens = sample_from_probs(step_probs, ctx.generators)  # [batch] int64
+            tokens = sample_from_probs(step_probs, shift_rows(ctx.generators, j))  # [batch] int64
             drafted.append(tokens)
             probs.append(step_probs)
             last = tokens.tolist()
@@ -109,7 +110,8 @@ def main() -> None:
 
     sampled = SamplingParams(max_new_tokens=48, temperature=0.5, top_k=40, seed=0)
     out = gen.generate(prompt, sampled)
-    assert out.token_ids == gen.generate(prompt, sampled).token_ids  # a seed reproduces it
+    assert out.token_ids == gen.generate(prompt, sampled).token_ids  # a seed reproduces it ...
+    assert out.token_ids == plain.generate(prompt, sampled).token_ids  # ... plain decoding's output
     show("sampled", out)
 
     stats = gen.kv_stats()
