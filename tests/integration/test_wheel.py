@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -47,10 +48,18 @@ print(json.dumps({
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """A wheel built from a clean copy of the project (a build in the checkout could pick up
+    files from an earlier build/ or egg-info directory)."""
+    tree = tmp_path_factory.mktemp("tree")
+    shutil.copy(ROOT / "pyproject.toml", tree)
+    shutil.copy(ROOT / "README.md", tree)
+    shutil.copytree(
+        ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+    )
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(tree)],
         check=True,
         cwd=out,
     )
