@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,46 @@ import torch
 torch.set_num_threads(1)
 
 STORIES = Path(__file__).resolve().parents[1] / "src" / "specdec" / "data" / "stories260K"
+_OWN_CACHE: list[str] = []
+
+
+def pytest_configure(config):
+    """Tests never touch the user's ``~/.cache/specdec``: converted models, packed weights and
+    the CPU kernel's build go to a directory of this run (``SPECDEC_TEST_CACHE`` names one to
+    reuse between runs instead). Set before collection, so every import sees it; subprocesses
+    (examples, the notebook, the wheel) inherit it."""
+    root = os.environ.get("SPECDEC_TEST_CACHE")
+    if not root:
+        root = tempfile.mkdtemp(prefix="specdec-test-cache-")
+        _OWN_CACHE.append(root)
+    os.environ["SPECDEC_CACHE"] = root
+
+
+def pytest_unconfigure(config):
+    for root in _OWN_CACHE:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def kernel():
+    """Tests of the packed CPU kernel need it built. Where the CPU can run it (AVX2 + FMA) a
+    failed build fails the test, loudly, rather than skipping it; ``SPECDEC_ALLOW_NO_KERNEL=1``
+    allows the skip on machines without a compiler."""
+    from specdec.kernels import cpu_linear
+
+    if cpu_linear.kernel_available():
+        return
+    if not cpu_linear._cpu_supports_avx2_fma():
+        pytest.skip("this CPU has no AVX2/FMA: the kernel is never used here")
+    if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL"):
+        pytest.skip("SPECDEC_DISABLE_CPU_KERNEL is set")
+    if os.environ.get("SPECDEC_ALLOW_NO_KERNEL") == "1":
+        pytest.skip("the CPU kernel did not build (allowed by SPECDEC_ALLOW_NO_KERNEL=1)")
+    try:
+        cpu_linear._build_and_load()
+    except Exception as err:  # noqa: BLE001 - reported as the failure
+        pytest.fail(f"the CPU kernel failed to build on an AVX2/FMA machine: {err}", pytrace=False)
+    pytest.fail("the CPU kernel was unavailable but then built: a flaky build?", pytrace=False)
 
 TINY_CONFIGS = {
     "llama": dict(

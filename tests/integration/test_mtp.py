@@ -183,12 +183,10 @@ def test_bad_input(tiny_target, tiny_checkpoint, tmp_path):
         Generator.from_components(other, proposer=proposer)
 
 
+@pytest.mark.usefixtures("kernel")
 def test_a_packed_bf16_head_saves_as_plain_weights(stories_path, tmp_path):
-    from specdec.kernels.cpu_linear import kernel_available
     from specdec.models.packed import pack_linears
 
-    if not kernel_available():
-        pytest.skip("the packed CPU kernel is not available here")
     target, _, _ = load_model(stories_path, dtype="bfloat16", pack=False)
     head = random_head(target, 8)
     reference = {k: v.clone() for k, v in head.state_dict().items()}

@@ -170,7 +170,7 @@ def test_stop_string_inside_accepted_draft(stories_path):
     assert spec.kv_stats()["num_free_pages"] == spec.kv_stats()["num_total_pages"]
 
 
-@pytest.mark.skipif(not __import__("specdec.kernels.cpu_linear", fromlist=["x"]).kernel_available(), reason="no CPU kernel")
+@pytest.mark.usefixtures("kernel")
 def test_bf16_packed_speculation_is_exact(stories_path):
     """With packed bf16 weights, a verify row computes exactly what decoding computes."""
     target, _, _ = load_model(stories_path, dtype="bfloat16", pack=True)
