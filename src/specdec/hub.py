@@ -359,28 +359,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     bf16 model: 5.6 GB resident for Qwen2.5-Coder-1.5B (about 2.5 min on 2 cores).
     """
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.models.loading import gguf_load_kwargs
+
     source, file = str(gguf_path.parent), gguf_path.name
-    kwargs: dict[str, object] = {_dtype_kwarg(transformers.__version__): torch.bfloat16}
-    # Newer transformers keep GGUF weights packed in their quantized blocks, and such a model
-    # refuses save_pretrained; GgufConfig(dequantize=True) asks for plain dense weights, which
-    # is what older versions always produced (they have no GgufConfig).
-    gguf_config = getattr(transformers, "GgufConfig", None)
-    if gguf_config is not None:
-        kwargs["quantization_config"] = gguf_config(dequantize=True)
+    kwargs = gguf_load_kwargs(torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=file, **kwargs)
     model.save_pretrained(out_dir)  # safetensors is the default format in every supported version
     del model  # free the weights before the tokenizer is built
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=file)
     tokenizer.save_pretrained(out_dir)
-
-
-def _dtype_kwarg(version: str) -> str:
-    """``transformers`` renamed ``torch_dtype`` to ``dtype`` in 4.56 (the old name warns in 5.x)."""
-    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def _lookup(name: str | KnownModel) -> KnownModel:

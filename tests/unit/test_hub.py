@@ -37,6 +37,7 @@ from specdec.hub import (
     fetch,
     resolve_model,
 )
+from specdec.models.loading import _dtype_kwarg
 
 VERSION = "1.0"
 
@@ -470,7 +471,7 @@ def test_single_wheel_model_with_fixed_member(cache: Path, tmp_path: Path) -> No
     [("4.45.2", "torch_dtype"), ("4.56.0", "dtype"), ("5.24.0", "dtype"), ("5.0.0.dev0", "dtype")],
 )
 def test_dtype_kwarg_follows_transformers_version(version: str, kwarg: str) -> None:
-    assert hub._dtype_kwarg(version) == kwarg
+    assert _dtype_kwarg(version) == kwarg
 
 
 # ---- the pip downloader -------------------------------------------------------------------

@@ -7,6 +7,7 @@ on the meta device, so a checkpoint is never held twice in memory.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,6 +211,28 @@ def load_model(
     return model, hf_config, path
 
 
+def gguf_load_kwargs(dtype: torch.dtype) -> dict[str, object]:
+    """``from_pretrained`` arguments that read a GGUF file into plain dense ``dtype`` weights.
+
+    Newer transformers keep GGUF weights packed in their quantized blocks (such a model has no
+    plain state dict and refuses ``save_pretrained``); ``GgufConfig(dequantize=True)`` asks for
+    dense weights, which is what older versions always produced (they have no GgufConfig).
+    """
+    import transformers
+
+    kwargs: dict[str, object] = {_dtype_kwarg(transformers.__version__): dtype}
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    if gguf_config is not None:
+        kwargs["quantization_config"] = gguf_config(dequantize=True)
+    return kwargs
+
+
+def _dtype_kwarg(version: str) -> str:
+    """``transformers`` renamed ``torch_dtype`` to ``dtype`` in 4.56 (the old name warns in 5.x)."""
+    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
 def _resolve_source(source: str | Path) -> Path:
     if not isinstance(source, (str, Path)):
         raise TypeError(f"model source must be a path or a name, got {type(source).__name__}")
@@ -234,7 +257,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Ll
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     cfg = ModelConfig.from_hf_config(hf_config)
     hf_model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, low_cpu_mem_usage=True
+        str(path.parent), gguf_file=path.name, **gguf_load_kwargs(dtype)
     )
     state = hf_model.state_dict()
     del hf_model
