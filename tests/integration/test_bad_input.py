@@ -304,8 +304,12 @@ def test_stop_strings_need_a_tokenizer(gen):
     assert_rejected_before_work(
         gen, lambda g: g.stream([1], params), ValueError, "params.stop needs a tokenizer"
     )
-    out = gen.generate([1], SamplingParams(max_new_tokens=4, stop_token_ids=[5]))  # the alternative
-    assert len(out.token_ids) <= 4
+    # The alternative, stop_token_ids, works without one: stop at a token the free run emits.
+    free = gen.generate([1], SamplingParams(max_new_tokens=8, ignore_eos=True)).token_ids
+    i = next(i for i, t in enumerate(free) if i >= 1 and t not in free[:i])
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=[free[i]], ignore_eos=True)
+    out = gen.generate([1], params)
+    assert out.token_ids == free[: i + 1] and out.finish_reason == "stop"
 
 
 # --- cache capacity ----------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import attrs
 import pytest
@@ -298,17 +297,15 @@ def test_load_200_concurrent_requests_with_preemption(target, draft, alone):
     expected = [alone(p, sp) for p, sp in specs]  # each run one at a time
 
     gen = make_gen(target, draft, page_size=4, num_pages=64, max_batch_size=16)
-    start = time.perf_counter()
     handles = [gen.submit(p, sp) for p, sp in specs]
     while gen.scheduler.has_unfinished():
         assert not gen.step().failed_seq_ids
-    elapsed = time.perf_counter() - start
+    # (Its speed is benchmarks/load.py's business; pytest-timeout catches a hang.)
     assert [h.result().token_ids for h in handles] == expected
     assert all(h.finish_reason == "length" for h in handles)
     assert gen.scheduler.num_preemptions > 0
     assert gen.metrics.num_drafted > 0  # speculation happened inside the batches
     assert_clean(gen)
-    assert elapsed < 60
 
 
 # --- failure isolation ---------------------------------------------------------------------

@@ -1,19 +1,22 @@
 """End-to-end losslessness: what the real Generator emits is distributed as the target says.
 
 A tiny random float64 target and a noisy copy of it as the draft (same 12-token vocabulary)
-run through ``Generator`` + ``DraftModel`` + ``ChainVerifier`` with the whole engine in the
-loop (scheduler, paged KV, draft catch-up and rollback, verification, truncation at
-``max_new_tokens``). Position 1 is sampled by the prefill step, positions 2 and 3 by
-speculative verification steps. The exact target distribution of the three emitted tokens is
-enumerated from the transformers model of the same weights (a 144-sequence forward), under the
-processed distribution (temperature, top-k, top-p), and chi-square tests per position, on the
-joint of positions 2-3 and on the joint of all three must not reject it. The same statistics
-must reject a verifier with a deliberately wrong rule (negative controls), so a pass means
-something.
+run through ``Generator`` + a proposer + ``ChainVerifier`` with the whole engine in the loop
+(scheduler, paged KV, draft catch-up and rollback, verification, truncation at
+``max_new_tokens``). Every request emits ``k + 2`` tokens: position 1 is sampled by the prefill
+step, positions 2 .. k + 2 by speculative verification steps, so the last position is a bonus
+token whenever all k drafts were accepted. The exact target distribution of the emitted tokens
+is enumerated from the transformers model of the same weights (one forward over every prefix),
+under the processed distribution (temperature, top-k, top-p), and chi-square tests of every
+position, of every pair of neighbouring positions and of positions 1-2-3 jointly must not
+reject it. The same statistics must reject deliberately wrong rules (negative controls), so a
+pass means something.
 
-Two kinds of sampled request take different verification rules, so both run: requests without
-a seed (``stream``: rejection sampling from each request's generator stream) and requests
-with one (``seeded``: the coupled rule over position-keyed noise, specdec.noise).
+Cases cover both sampled rules (requests without a seed: rejection sampling from a generator
+stream; with one: the coupled rule over position-keyed noise, specdec.noise), a draft model,
+an MTP head (also with a draft vocabulary: zero draft probability outside it), prompt lookup
+(one-hot drafts), a policy that picks a random k per request and step, and a page budget so
+tight that running requests are preempted and recomputed.
 
 Everything is seeded (the unseeded requests' streams by a patched ``make_generator``), so the
 p-values are fixed numbers; ALPHA bounds the chance that a change which merely reshuffles the
@@ -23,6 +26,7 @@ random streams makes the correct rule fail.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import sys
 from unittest import mock
@@ -31,13 +35,13 @@ import attrs
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import chi_square_pvalue
+from helpers import ScriptedPolicy, chi_square_pvalue
 
-from specdec import CacheConfig, Generator, SamplingParams, noise
+from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams, noise
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
-from specdec.proposers import DraftModel, MTPHead
+from specdec.proposers import DraftModel, MTPHead, PromptLookup
 from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
@@ -45,21 +49,65 @@ from specdec.verify.chain import ChainVerifier
 F64 = torch.float64
 VOCAB = 12
 PROMPT = [3, 7, 1, 10]
-BATCH = 1024  # requests per generate() call, all admitted at once: every decode step speculates
+BATCH = 1024  # requests per generate() call
 NUM_BATCHES = 4
 GREEDY_EVERY = 16  # one request in 16 is greedy, riding along in the batch (not counted)
-NUM_RUNS = NUM_BATCHES * (BATCH - BATCH // GREEDY_EVERY)  # sampled requests per case
-CASES = {
-    "t0.8-topk8-topp0.9-k2": (dict(temperature=0.8, top_k=8, top_p=0.9), 2),
-    "t1.0-k3": (dict(temperature=1.0), 3),
+# The smallest bug guarded against (draft probabilities reported at T = 0.9 for drafts drawn
+# at 0.8) needs more samples than the others: at 4 batches its smallest p-value is ~2e-3.
+WARMER_BATCHES = 12
+SAMPLING = {
+    "t0.8-topk8-topp0.9": dict(temperature=0.8, top_k=8, top_p=0.9),
+    "t1.0": dict(temperature=1.0),
 }
-STATISTICS = ("position 1", "position 2", "position 3", "joint 2-3", "joint 1-2-3")
-PROPOSERS = ("draft", "mtp")
-MODES = ("stream", "seeded")
-# Family-wise 1e-3 over every test of the correct rule, by Bonferroni.
-ALPHA = 1e-3 / (len(CASES) * len(PROPOSERS) * len(MODES) * len(STATISTICS))
 
 
+@attrs.frozen
+class Case:
+    """One configuration of the engine whose output distribution is tested."""
+
+    sampling: str
+    k: int
+    proposer: str = "draft"  # draft | mtp | mtp-vocab | lookup
+    mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
+    policy: str = "fixed"  # fixed k | random (a random k per request and step)
+    pages: str = "roomy"  # roomy | tight (running requests are preempted)
+
+    @property
+    def num_positions(self) -> int:
+        return self.k + 2
+
+    @property
+    def name(self) -> str:
+        return "-".join([self.sampling, f"k{self.k}", self.proposer, self.mode, self.policy, self.pages])
+
+
+CASES = [
+    *(
+        Case(sampling, k, proposer, mode)
+        for sampling, k in (("t0.8-topk8-topp0.9", 2), ("t1.0", 3))
+        for proposer in ("draft", "mtp")
+        for mode in ("stream", "seeded")
+    ),
+    Case("t1.0", 3, "draft", "stream", policy="random"),
+    Case("t0.8-topk8-topp0.9", 3, "draft", "seeded", policy="random"),
+    Case("t1.0", 3, "lookup", "stream"),
+    Case("t0.8-topk8-topp0.9", 2, "lookup", "seeded"),
+    Case("t1.0", 3, "mtp-vocab", "stream"),
+    Case("t1.0", 3, "draft", "stream", pages="tight"),
+    Case("t0.8-topk8-topp0.9", 2, "mtp", "seeded", pages="tight"),
+]
+
+
+def statistics(n: int) -> list[str]:
+    return [
+        *(f"position {j}" for j in range(1, n + 1)),
+        *(f"joint {j}-{j + 1}" for j in range(1, n)),
+        "joint 1-2-3",
+    ]
+
+
+# Family-wise 1e-3 over every test of a correct rule, by Bonferroni.
+ALPHA = 1e-3 / sum(len(statistics(c.num_positions)) for c in CASES)
 
 
 def _specdec_model(hf_model):
@@ -71,20 +119,6 @@ def _specdec_model(hf_model):
 @pytest.fixture(scope="module")
 def models():
     return build_models()
-
-
-def build_head(target) -> MTPHeadModel:
-    """A random float64 MTP head on the specdec target (it drafts from its own distribution,
-    overlapping the target's by roughly half on this 12-token vocabulary)."""
-    torch.manual_seed(2)
-    head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config))
-    return head.to(F64).eval().requires_grad_(False)
-
-
-def _proposer(models, kind: str, k: int):
-    if kind == "draft":
-        return DraftModel.from_model(models[2], num_speculative_tokens=k)
-    return MTPHead.from_model(build_head(models[1]), num_speculative_tokens=k)
 
 
 def build_models():
@@ -102,14 +136,34 @@ def build_models():
     return hf_target, _specdec_model(hf_target), _specdec_model(hf_draft)
 
 
-def _params(case: str, seed: int | None, mode: str = "seeded") -> SamplingParams:
+def build_head(target) -> MTPHeadModel:
+    """A random float64 MTP head on the specdec target (it drafts from its own distribution,
+    overlapping the target's by roughly half on this 12-token vocabulary)."""
+    torch.manual_seed(2)
+    head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config))
+    return head.to(F64).eval().requires_grad_(False)
+
+
+def _proposer(models, kind: str, k: int):
+    if kind == "draft":
+        return DraftModel.from_model(models[2], num_speculative_tokens=k)
+    if kind == "lookup":
+        return PromptLookup(num_speculative_tokens=k)
+    # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere).
+    vocab = torch.tensor([0, 1, 3, 4, 7, 9, 10]) if kind == "mtp-vocab" else None
+    return MTPHead.from_model(build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab)
+
+
+def _params(case: Case, seed: int | None) -> SamplingParams:
     """Greedy for ``seed=None``; sampled otherwise, with ``seed`` in the seeded mode only (the
-    stream mode's requests draw from the patched generators of :func:`_streams`)."""
-    kwargs = CASES[case][0] if seed is not None else dict(temperature=0.0)
-    # Five tokens so that after the prefill token every request may still draft k <= 3 tokens
-    # (the engine never drafts past a request's remaining budget); positions 1-3 are tested.
-    seed = seed if mode == "seeded" else None
-    return SamplingParams(max_new_tokens=5, seed=seed, ignore_eos=True, **kwargs)
+    stream mode's requests draw from the patched generators of :func:`_streams`).
+
+    ``k + 2`` tokens: the prefill's, then k drafts and the bonus of the first verify step (the
+    engine never drafts past a request's remaining budget, so it may draft all k).
+    """
+    kwargs = SAMPLING[case.sampling] if seed is not None else dict(temperature=0.0)
+    seed = seed if case.mode == "seeded" else None
+    return SamplingParams(max_new_tokens=case.num_positions, seed=seed, ignore_eos=True, **kwargs)
 
 
 def _streams(first: int):
@@ -122,98 +176,112 @@ def _streams(first: int):
     )
 
 
-def exact_joint(hf_target, params: SamplingParams) -> torch.Tensor:
-    """[vocab, vocab, vocab] float64: the target's probability of emitting (x1, x2, x3)."""
-    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [vocab^2, 2]
-    ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+@functools.cache
+def _exact_joint(sampling: str, n: int) -> torch.Tensor:
+    return exact_joint(build_models()[0], SamplingParams(**SAMPLING[sampling]), n)
+
+
+def exact_joint(hf_target, params: SamplingParams, n: int) -> torch.Tensor:
+    """[vocab] * n float64: the target's probability of emitting (x_1, ..., x_n)."""
+    prefixes = torch.cartesian_prod(*[torch.arange(VOCAB)] * (n - 1)).view(-1, n - 1)
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
     with torch.no_grad():
-        logits = hf_target(ids).logits[:, -3:]  # [vocab^2, 3, vocab]: rows predict x1, x2, x3
-    st = SamplingTensors.from_params([params] * (3 * len(pairs)), "cpu")
-    probs = processed_probs(logits.reshape(-1, VOCAB), st).reshape(VOCAB, VOCAB, 3, VOCAB)
-    p1 = probs[0, 0, 0]  # [vocab]
-    p2 = probs[:, 0, 1]  # [x1, vocab]
-    p3 = probs[:, :, 2]  # [x1, x2, vocab]
-    return p1[:, None, None] * p2[:, :, None] * p3
+        logits = hf_target(ids).logits[:, -n:]  # [vocab^(n-1), n, vocab]: rows predict x_1..x_n
+    st = SamplingTensors.from_params([params] * logits[..., 0].numel(), "cpu")
+    probs = processed_probs(logits.reshape(-1, VOCAB), st).reshape(*[VOCAB] * (n - 1), n, VOCAB)
+    joint = probs[(0,) * (n - 1) + (0,)]  # [vocab]: x_1 follows the prompt alone
+    for m in range(2, n + 1):
+        # p(x_m | x_1..x_{m-1}): any later prefix tokens do not matter to row m - 1 (causal).
+        cond = probs[(...,) + (0,) * (n - m) + (m - 1, slice(None))]  # [vocab]*(m-1) + [vocab]
+        joint = joint[..., None] * cond
+    return joint
 
 
 def sample(
-    models, case: str, verifier=None, proposer: str = "draft", mode: str = "stream"
+    models, case: Case, verifier=None, num_batches: int = NUM_BATCHES
 ) -> tuple[torch.Tensor, Generator]:
-    """[NUM_RUNS, 3] int64 tokens emitted by NUM_RUNS seeded sampled requests through the engine.
+    """[runs, k + 2] int64 tokens emitted by the sampled requests of ``num_batches`` batches.
 
     Every batch also carries greedy requests, which must come out as plain greedy decoding.
-    Each generate() call admits its whole batch in one prefill step, and no request waits, so
-    every later step is decode-only and speculates.
+    Each generate() call admits its whole batch in one prefill step (roomy pages), so every
+    later step is decode-only and speculates.
     """
     target = models[1]
-    k = CASES[case][1]
+    page_size, pages = (16, 2 * BATCH) if case.pages == "roomy" else (2, 2600)
     gen = Generator.from_components(
         target,
-        proposer=_proposer(models, proposer, k),
-        # Twice the pages a batch needs: admission keeps a page of headroom per running
-        # request, and with fewer pages part of the batch would be admitted by a later
-        # (mixed, non-speculative) step.
+        proposer=_proposer(models, case.proposer, case.k),
+        # Roomy: twice the pages a batch needs (admission keeps a page of headroom per running
+        # request; with fewer, part of the batch would be admitted by a later mixed step).
+        # Tight: 2-slot pages, about half of what the batch needs at its longest with k drafts
+        # in flight: requests are admitted in waves, preempted and recomputed as they grow
+        # (~200 preemptions per batch), and speculate when pages allow (~900 drafts a batch).
         cache_config=CacheConfig(
-            max_batch_size=BATCH, max_num_tokens=len(PROMPT) + 5, page_size=16, num_pages=2 * BATCH
+            max_batch_size=BATCH,
+            max_num_tokens=len(PROMPT) + case.num_positions,
+            page_size=page_size,
+            num_pages=pages,
         ),
         verifier=verifier,
-        policy=k,  # a fixed k: every decode step verifies drafts at positions 2-3
+        policy=FixedPolicy(case.k) if case.policy == "fixed" else ScriptedPolicy(7, case.k),
     )
-    plain_greedy = Generator.from_components(target).generate(PROMPT, _params(case, None)).token_ids
+    greedy = _params(case, None)
+    plain_greedy = Generator.from_components(target).generate(PROMPT, greedy).token_ids
     sampled: list[list[int]] = []
-    for b in range(NUM_BATCHES):
+    for b in range(num_batches):
         params = [
-            _params(case, None if i % GREEDY_EVERY == GREEDY_EVERY - 1 else b * BATCH + i, mode)
+            _params(case, None if i % GREEDY_EVERY == GREEDY_EVERY - 1 else b * BATCH + i)
             for i in range(BATCH)
         ]
         with _streams(first=b * BATCH):
             outs = gen.generate([PROMPT] * BATCH, params)
         for out, p in zip(outs, params):
+            assert len(out.token_ids) == case.num_positions
             if p.is_greedy:
-                assert out.token_ids[:3] == plain_greedy[:3]
+                assert out.token_ids == plain_greedy
             else:
-                sampled.append(out.token_ids[:3])
-                # One prefill step, then verification steps only: positions 2-3 were verified.
-                assert out.metrics.num_verify_steps >= 1
+                sampled.append(out.token_ids)
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
-    assert len(sampled) == NUM_RUNS
+    assert len(sampled) == num_batches * (BATCH - BATCH // GREEDY_EVERY)
+    if case.pages == "tight":
+        assert gen.scheduler.num_preemptions > 0
     return torch.tensor(sampled), gen
 
 
 def run_case(
-    models, case: str, verifier=None, proposer: str = "draft", mode: str = "stream"
+    models, case: Case, verifier=None, num_batches: int = NUM_BATCHES
 ) -> tuple[dict[str, float], Generator]:
     """Chi-square p-value of each statistic against the exact target distribution."""
-    joint = exact_joint(models[0], SamplingParams(**CASES[case][0]))
-    tokens, gen = sample(models, case, verifier, proposer, mode)
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=F64)
+    n = case.num_positions
+    joint = _exact_joint(case.sampling, n)
+    tokens, gen = sample(models, case, verifier, num_batches)
+    counts = torch.zeros(*[VOCAB] * n, dtype=F64)
     counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=F64), accumulate=True)
-    result = {
-        "position 1": chi_square_pvalue(counts.sum((1, 2)), joint.sum((1, 2))),
-        "position 2": chi_square_pvalue(counts.sum((0, 2)), joint.sum((0, 2))),
-        "position 3": chi_square_pvalue(counts.sum((0, 1)), joint.sum((0, 1))),
-        "joint 2-3": chi_square_pvalue(counts.sum(0), joint.sum(0)),
-        "joint 1-2-3": chi_square_pvalue(counts, joint),  # sparse cells pool into one bin
-    }
-    assert tuple(result) == STATISTICS
+
+    def marginal(t: torch.Tensor, keep: tuple[int, ...]) -> torch.Tensor:
+        return t.sum(tuple(d for d in range(n) if d not in keep))
+
+    result = {}
+    for name in statistics(n):
+        keep = tuple(int(x) - 1 for x in name.split()[1].split("-"))
+        result[name] = chi_square_pvalue(marginal(counts, keep), marginal(joint, keep))
     return result, gen
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("proposer", PROPOSERS)
-@pytest.mark.parametrize("case", list(CASES))
-def test_generator_output_matches_the_target_distribution(models, case, proposer, mode):
-    result, gen = run_case(models, case, proposer=proposer, mode=mode)
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_generator_output_matches_the_target_distribution(models, case):
+    result, gen = run_case(models, case)
     assert min(result.values()) > ALPHA, result
-    # Both branches of the rule were exercised, at the draft positions that feed positions 2-3.
     m = gen.metrics
-    assert 0.2 < m.acceptance_rate < 0.9, m.acceptance_rate
-    for j in range(2):
-        assert (
-            0.1 * m.drafted_per_position[j]
-            < m.accepted_per_position[j]
-            < 0.9 * m.drafted_per_position[j]
-        )
+    # Both branches of the rule were exercised at every draft position, and full acceptances
+    # (bonus tokens at position k + 2) happened.
+    assert 0.02 < m.acceptance_rate < 0.95, m.acceptance_rate
+    # (Prompt lookup's drafts on this random model are rarely right past the first.)
+    for j in range(1 if case.proposer == "lookup" else case.k):
+        drafted, accepted = m.drafted_per_position[j], m.accepted_per_position[j]
+        assert 5 < accepted < 0.98 * drafted, (j, drafted, accepted)
+    if case.policy == "random":
+        assert len(m.k_histogram) == case.k + 1  # every k from 0 to k was chosen
 
 
 def _swapped_acceptance(target_at_draft, draft_at_draft):
@@ -247,7 +315,12 @@ BUGS = {
 
 @pytest.mark.parametrize(
     ("bug", "case"),
-    [("swapped-acceptance", "t1.0-k3"), ("forgotten-residual", "t0.8-topk8-topp0.9-k2")],
+    [
+        ("swapped-acceptance", Case("t1.0", 3)),
+        ("forgotten-residual", Case("t0.8-topk8-topp0.9", 2)),
+        ("forgotten-residual", Case("t1.0", 3, "lookup")),  # one-hot drafts: target minus x
+    ],
+    ids=["swapped-acceptance", "forgotten-residual", "forgotten-residual-lookup"],
 )
 def test_the_check_rejects_a_buggy_verifier(models, bug, case):
     result, _ = run_case(models, case, verifier=BuggyVerifier(*BUGS[bug]))
@@ -271,7 +344,27 @@ def test_the_check_rejects_an_mtp_head_that_misreports_its_distribution(models, 
         "_proposer",
         lambda models, kind, k: OffByOneMTPHead.from_model(build_head(models[1]), num_speculative_tokens=k),
     )
-    result, _ = run_case(models, "t1.0-k3", proposer="mtp")
+    result, _ = run_case(models, Case("t1.0", 3, "mtp"))
+    assert min(result.values()) < ALPHA, result
+
+
+def test_the_check_rejects_a_draft_that_reports_a_slightly_warmer_distribution(models, monkeypatch):
+    """The smallest plausible bug we guard against: drafts drawn at T = 0.8 but reported at
+    T = 0.9. Sampled at the sizes above the effect is visible (checked: p < ALPHA)."""
+    real = DraftModel.propose
+
+    def warmer_report(self, ctx):
+        out = real(self, ctx)
+        if out.draft_probs is None:
+            return out
+        # The draft's probabilities at 0.9 are those at 0.8 re-tempered: p^(0.8/0.9), renormalised
+        # over the same support (the request has no top-k/top-p here, so the support is all).
+        reported = out.draft_probs.clamp_min(1e-300) ** (0.8 / 0.9)
+        return attrs.evolve(out, draft_probs=reported / reported.sum(-1, keepdim=True))
+
+    monkeypatch.setattr(DraftModel, "propose", warmer_report)
+    monkeypatch.setitem(SAMPLING, "t0.8", dict(temperature=0.8))
+    result, _ = run_case(models, Case("t0.8", 3, "draft"), num_batches=WARMER_BATCHES)
     assert min(result.values()) < ALPHA, result
 
 
@@ -281,5 +374,5 @@ def test_the_check_rejects_seeded_noise_that_ignores_the_position(models, monkey
     joint statistics must see the dependence."""
     real = noise.row_key
     monkeypatch.setattr(noise, "row_key", lambda seed, position: real(seed, 0))
-    result, _ = run_case(models, "t1.0-k3", proposer="draft", mode="seeded")
-    assert min(result["joint 2-3"], result["joint 1-2-3"]) < ALPHA, result
+    result, _ = run_case(models, Case("t1.0", 3, "draft", "seeded"))
+    assert min(v for k, v in result.items() if k.startswith("joint")) < ALPHA, result

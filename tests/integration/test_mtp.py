@@ -122,6 +122,10 @@ def test_mtp_greedy_exact_inside_sampled_batch(tiny_target):
     sampled = SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True)
     outs = gen.generate(prompts, [GREEDY, GREEDY, sampled, sampled])
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in plain]
+    # The sampled rows are the same seeded requests' plain output (a seed pins the tokens).
+    plain_sampled = Generator.from_components(tiny_target).generate(prompts[2:], sampled)
+    assert [o.token_ids for o in outs[2:]] == [o.token_ids for o in plain_sampled]
+    assert gen.metrics.num_drafted > 0
 
 
 def test_mtp_greedy_exact_stories_float32(stories_path):

@@ -107,8 +107,10 @@ def test_greedy_requests_exact_inside_a_sampled_batch(tiny_pair):
     mixed = gen.generate(prompts, params)
     for i in range(0, 6, 2):
         assert mixed[i].token_ids == plain[i].token_ids
-    for i in range(1, 6, 2):
-        assert len(mixed[i].token_ids) == 40
+    # The sampled rows are the same seeded requests' plain output (a seed pins the tokens).
+    plain_sampled = Generator.from_components(target).generate(prompts[1::2], params[1::2])
+    assert [o.token_ids for o in mixed[1::2]] == [o.token_ids for o in plain_sampled]
+    assert gen.metrics.num_accepted > 0
 
 
 class EveryOtherRepeat(TokenListProposer):
@@ -190,3 +192,56 @@ def test_bf16_packed_speculation_is_exact(stories_path):
     spec = gen.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert gen.metrics.num_accepted > 0
+
+
+K_STOP = 4
+PROMPT_STOP = [1, 403, 407, 261, 378]
+
+
+def _stop_inside_a_draft(tokens: Sequence[int]) -> int:
+    """An output index that a verify step with all K_STOP drafts accepted emits as a draft,
+    neither the first nor the last of them (so neither at the draft's start nor its end),
+    holding a token that does not appear before it."""
+    # Output 0 comes from the prefill; each verify step then emits K_STOP drafts + 1 bonus.
+    for i, tok in enumerate(tokens):
+        offset = (i - 1) % (K_STOP + 1)  # 0 .. K_STOP - 1: a draft, K_STOP: the bonus
+        if i >= 1 and 1 <= offset <= K_STOP - 2 and tok not in tokens[:i]:
+            return i
+    raise AssertionError("no suitable stop position")
+
+
+@pytest.mark.parametrize("stop", ["eos", "stop_token_id"])
+@pytest.mark.parametrize("mode", ["greedy", "seeded"])
+def test_stop_token_inside_an_accepted_draft(stories_path, stop, mode):
+    """A draft identical to the target is accepted whole (greedy: same argmax; seeded: same
+    noise), so the stop token lands inside an accepted draft, not at its end: the request
+    must end right there, exactly as plain decoding does, with nothing past it kept."""
+    target, _, _ = load_model(stories_path, dtype="float32")
+    sampling = dict(temperature=0.9, top_p=0.95, seed=5) if mode == "seeded" else {}
+    free = SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling)
+    tokens = Generator.from_components(target).generate(PROMPT_STOP, free).token_ids
+    i = _stop_inside_a_draft(tokens)
+    stop_id = tokens[i]
+    if stop == "eos":
+        params, eos = SamplingParams(max_new_tokens=40, **sampling), [stop_id]
+    else:
+        params, eos = SamplingParams(max_new_tokens=40, stop_token_ids=[stop_id], **sampling), None
+    plain = Generator.from_components(target, eos_token_ids=eos).generate(PROMPT_STOP, params)
+    gen = Generator.from_components(
+        target,
+        eos_token_ids=eos,
+        proposer=DraftModel.from_model(target, num_speculative_tokens=K_STOP),
+        policy=FixedPolicy(K_STOP),
+    )
+    handle = gen.submit(PROMPT_STOP, params)
+    steps = []
+    while not handle.done:
+        steps.append(gen.step())
+    out = handle.result()
+    assert out.token_ids == plain.token_ids == tokens[: i + 1]
+    assert out.finish_reason == plain.finish_reason == "stop"
+    last = steps[-1]
+    # The last step accepted every draft but kept only the tokens up to the stop.
+    assert last.speculative and last.num_drafted == (K_STOP,) and last.num_accepted == (K_STOP,)
+    assert 1 < len(last.new_token_ids[0]) < K_STOP
+    assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]

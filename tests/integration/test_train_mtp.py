@@ -36,8 +36,10 @@ def test_text_files_and_chunks(tmp_path):
     texts = text_files([tmp_path])
     assert texts == ["abcdefghij", "klmnop"]
     chunks = token_chunks(CharTokenizer(), texts, chunk_len=4, separator_id=49)
-    assert [len(c) for c in chunks] == [4, 4, 4, 4]  # 10 + 1 + 6 + 1 = 18 tokens -> 4 chunks
-    assert chunks[2][3] == 49 or 49 in sum(chunks, [])
+    # 10 + 1 + 6 + 1 = 18 tokens -> 4 chunks of 4, the last 2 dropped; 49 separates texts.
+    stream = [ord(c) % 50 for c in "abcdefghij"] + [49] + [ord(c) % 50 for c in "klmnop"] + [49]
+    assert chunks == [stream[0:4], stream[4:8], stream[8:12], stream[12:16]]
+    assert chunks[2][2] == 49  # the separator after the first text (token 10 of the stream)
     assert len(token_chunks(CharTokenizer(), texts, chunk_len=4, max_chunks=2)) == 2
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         text_files([tmp_path / "nothing-here*.py"])

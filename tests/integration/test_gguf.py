@@ -1,0 +1,384 @@
+"""GGUF round trip: a tiny model written the way llama.cpp writes it loads back as that model.
+
+Every model the README names reaches specdec as a GGUF file, either loaded directly
+(``load_model("x.gguf")``) or converted once by ``specdec.hub.convert_gguf`` (what ``fetch``
+does). Real GGUF checkpoints are far too big for tests, so tiny random Llama and Qwen2 models are
+written here with ``gguf.GGUFWriter`` exactly as llama.cpp's ``convert_hf_to_gguf.py`` lays them
+out: its tensor names and metadata keys, F32 norms and biases, and for Llama the q/k rows permuted
+for llama.cpp's RoPE (which the loader must undo). Each file is written in F32 and in Q8_0.
+
+The reference is the same model saved as safetensors, the format every other specdec test uses:
+the float32 source for F32, and the source with each quantized tensor replaced by its Q8_0
+round trip for Q8_0. Both loading paths must reproduce the reference's config, weights, logits
+and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_CONFIGS, make_hf_model
+
+from specdec import Generator, SamplingParams
+from specdec.attention import TorchAttentionBackend
+from specdec.hub import convert_gguf
+from specdec.kv import KVCacheManager, PageAllocator
+from specdec.models.loading import load_model
+
+gguf = pytest.importorskip("gguf")
+
+KINDS = ("llama", "qwen2")
+F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+QTYPES = {"f32": F32, "q8_0": Q8_0}
+# A text and its tokens under tiny_vocab's merges: "the" has no leading space, so no "Ġt".
+TEXT, TEXT_TOKENS = "the the", ("t", "he", "Ġthe")
+FILE_TYPES = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+
+# llama.cpp's names: top-level modules, and the modules inside each ``blk.N``.
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+# --- the source models and their vocabulary ---------------------------------------------------
+
+
+def tiny_vocab(size: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of ``size`` tokens: single bytes, three merges, and EOS last.
+
+    Tokens are spelled in GPT-2's byte alphabet, as llama.cpp writes a "gpt2" tokenizer.
+    """
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    spelled = bytes_to_unicode()
+    merged, merges = ["Ġt", "he", "Ġthe"], ["Ġ t", "h e", "Ġt he"]
+    byte_order = [32, 10, *range(33, 127), *range(256)]  # space and printables first
+    singles = list(dict.fromkeys(spelled[b] for b in byte_order))[: size - len(merged) - 1]
+    return [*singles, *merged, "<|endoftext|>"], merges
+
+
+def source_model(kind: str):
+    """The float32 transformers model every file of ``kind`` is written from.
+
+    float32 because GGUF has no float64; EOS is the vocabulary's last token, as in the file.
+    Epsilon and RoPE base differ from transformers' defaults, so that a key the loader misses
+    shows up as a wrong config instead of falling back to the right value by luck.
+    """
+    eos = TINY_CONFIGS[kind]["vocab_size"] - 1
+    return make_hf_model(
+        kind,
+        eos_token_id=eos,
+        bos_token_id=eos,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+    ).to(torch.float32)
+
+
+def q8_0_round_trip(model):
+    """A copy of ``model`` whose 2-D weights went through Q8_0 and back.
+
+    This is what a Q8_0 file must load as. Q8_0 blocks are 32 values along a row, so quantizing
+    commutes with llama.cpp's q/k permutation (it only reorders rows) and the reference needs
+    no permutation.
+    """
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                q = gguf.quants.quantize(p.numpy(), Q8_0)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, Q8_0)))
+    return rounded
+
+
+# --- writing a GGUF as llama.cpp's converter does ---------------------------------------------
+
+
+def gguf_name(hf_name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.weight`` -> ``blk.0.attn_q.weight``."""
+    module, leaf = hf_name.rsplit(".", 1)
+    if module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.{leaf}"
+    layer, inner = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module).groups()
+    return f"blk.{layer}.{_BLOCK_NAMES[inner]}.{leaf}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
+    """``LlamaModel.permute`` of llama.cpp's convert_hf_to_gguf.py, verbatim.
+
+    llama.cpp rotates interleaved pairs (x0, x1), transformers rotates halves (x0, x_{d/2}); the
+    converter reorders the rows of each q/k head so that both compute the same attention.
+    """
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def llama_cpp_tensor(cfg, hf_name: str, data: np.ndarray) -> np.ndarray:
+    """The values llama.cpp stores for one HF tensor (before quantizing)."""
+    if cfg.model_type != "llama":
+        return data  # Qwen2 uses NEOX-style RoPE in llama.cpp: no permutation
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return llama_cpp_permute(data, heads, heads)
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return llama_cpp_permute(data, heads, kv_heads)
+    return data
+
+
+def add_metadata(writer, cfg, qtype) -> None:
+    """The hyperparameter keys llama.cpp's converter writes for these architectures."""
+    writer.add_name(f"tiny-{cfg.model_type}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.model_type == "llama":
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(FILE_TYPES[qtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def add_tokenizer(writer, cfg) -> None:
+    """A "gpt2" (byte-level BPE) tokenizer, as llama.cpp writes Qwen2's and Llama 3's."""
+    tokens, merges = tiny_vocab(cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if cfg.model_type == "qwen2" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+
+
+def add_tensors(writer, model, qtype) -> None:
+    """Every tensor under its llama.cpp name; like llama.cpp, 1-D ones (norms, biases) stay F32."""
+    cfg = model.config
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # llama.cpp writes no output.weight for tied embeddings
+        data = llama_cpp_tensor(cfg, hf_name, tensor.numpy())
+        if qtype == F32 or data.ndim == 1:
+            writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(data, dtype=np.float32))
+        else:
+            blocks = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+
+
+def write_gguf(path, model, qtype) -> None:
+    writer = gguf.GGUFWriter(str(path), model.config.model_type)
+    add_metadata(writer, model.config, qtype)
+    add_tokenizer(writer, model.config)
+    add_tensors(writer, model, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=sorted(QTYPES))
+def qtype(request):
+    return QTYPES[request.param]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Factory: (kind, qtype) -> (gguf file, reference safetensors directory), built once each."""
+    cache: dict = {}
+
+    def build(kind: str, qtype):
+        if (kind, qtype) not in cache:
+            root = tmp_path_factory.mktemp(f"gguf-{kind}-{qtype.name}")
+            model = source_model(kind)
+            write_gguf(root / f"tiny-{kind}.gguf", model, qtype)
+            reference = model if qtype == F32 else q8_0_round_trip(model)
+            reference.save_pretrained(root / "reference", safe_serialization=True)
+            cache[(kind, qtype)] = (root / f"tiny-{kind}.gguf", root / "reference")
+        return cache[(kind, qtype)]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def converted(files, tmp_path_factory):
+    """Factory: (kind, qtype) -> the directory ``convert_gguf`` made of that GGUF, built once."""
+    cache: dict = {}
+
+    def build(kind: str, qtype):
+        if (kind, qtype) not in cache:
+            out = tmp_path_factory.mktemp(f"converted-{kind}-{qtype.name}")
+            convert_gguf(files(kind, qtype)[0], out)
+            cache[(kind, qtype)] = out
+        return cache[(kind, qtype)]
+
+    return build
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def load(path):
+    model, _, _ = load_model(path, dtype="float32")
+    return model
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 30)]
+
+
+def prefill_logits(model, batch: list[list[int]]) -> list[torch.Tensor]:
+    """Every position's logits for a batch of prompts prefilled in one ragged forward."""
+    kv_manager = KVCacheManager(PageAllocator(64), 4)
+    kv = kv_manager.add_pool(model.config.kv_spec("target", model.dtype), "cpu")
+    for i, p in enumerate(batch):
+        kv_manager.add_sequence(i)
+        kv_manager.reserve(i, len(p))
+    backend = TorchAttentionBackend()
+    layout = kv.layout(list(range(len(batch))), batch, [0] * len(batch))
+    out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec))
+    return list(out.logits.split([len(p) for p in batch]))
+
+
+def assert_same_config(model, reference) -> None:
+    # GGUF stores the epsilon as float32, and 1e-6 does not survive that exactly.
+    assert model.config.rms_norm_eps == pytest.approx(reference.config.rms_norm_eps, rel=1e-6)
+    same_eps = attrs.evolve(model.config, rms_norm_eps=reference.config.rms_norm_eps)
+    assert same_eps == reference.config
+
+
+def assert_same_logits(model, reference) -> None:
+    # Same weights in float32 through the same kernels: any difference beyond rounding noise
+    # is a loading bug (a q/k permutation alone moves logits by O(1)).
+    batch = prompts(reference.config.vocab_size)
+    for ours, ref in zip(prefill_logits(model, batch), prefill_logits(reference, batch)):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def bf16_rounded(model):
+    """``model`` with every weight rounded to bfloat16, the dtype ``convert_gguf`` saves."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return model
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+def test_written_file_is_in_llama_cpp_layout(files, kind, qtype):
+    """Guards the writer itself, so that the tests below cannot pass vacuously."""
+    path, _ = files(kind, qtype)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["token_embd.weight"] == qtype and types["blk.1.ffn_down.weight"] == qtype
+    assert types["output_norm.weight"] == F32 and types["blk.0.attn_norm.weight"] == F32
+    assert ("output.weight" in types) == (kind == "llama")  # tiny Qwen2 ties its embeddings
+    assert ("blk.0.attn_q.bias" in types) == (kind == "qwen2")
+    assert reader.fields[f"{kind}.attention.head_count_kv"].contents() == 2
+
+
+def test_gguf_loads_as_its_source(files, kind, qtype):
+    """``load_model`` on the .gguf gives the reference's config and bit-identical weights."""
+    path, reference_dir = files(kind, qtype)
+    model, reference = load(path), load(reference_dir)
+    assert_same_config(model, reference)
+    ours, ref = model.state_dict(), reference.state_dict()
+    assert ours.keys() == ref.keys()
+    mismatched = [name for name in ref if not torch.equal(ours[name], ref[name])]
+    assert not mismatched, f"weights differ from the source: {mismatched}"
+
+
+def test_gguf_logits_match_source(files, kind, qtype):
+    path, reference_dir = files(kind, qtype)
+    assert_same_logits(load(path), load(reference_dir))
+
+
+def test_q8_0_weights_within_quantization_error(files, kind):
+    """The Q8_0 file loads as the float source up to Q8_0's own error, and not closer.
+
+    Q8_0 stores blocks of 32 values along a row as int8 multiples of d = absmax / 127, with d
+    in float16: a value moves by at most d / 2 (rounding) + 127 * d * 2**-11 (the f16 scale),
+    i.e. absmax * (1/254 + 2**-11) of its block. Nothing may move more (a misplaced tensor
+    would), and every matrix must move (or the Q8_0 cases would only repeat the F32 ones).
+    """
+    quantized = load(files(kind, Q8_0)[0]).state_dict()
+    source = load(files(kind, F32)[1]).state_dict()
+    for name, weight in source.items():
+        if weight.dim() == 1:
+            assert torch.equal(quantized[name], weight), f"{name} is F32 in the file"
+            continue
+        blocks, error = weight.reshape(-1, 32), (quantized[name] - weight).reshape(-1, 32)
+        bound = blocks.abs().amax(dim=1, keepdim=True) * (1 / 254 + 2**-11) * (1 + 1e-6)
+        assert (error.abs() <= bound).all(), f"{name} moved by more than Q8_0 rounding"
+        assert error.abs().max() > 0, f"{name} was not quantized"
+
+
+def test_convert_gguf_round_trip(files, converted, kind, qtype):
+    """``convert_gguf`` then ``load_model``: the reference rounded to bfloat16, as documented."""
+    out = converted(kind, qtype)
+    assert (out / "config.json").is_file() and any(out.glob("*.safetensors"))
+    model, reference = load(out), bf16_rounded(load(files(kind, qtype)[1]))
+    assert_same_config(model, reference)
+    assert_same_logits(model, reference)
+
+
+def test_convert_gguf_saves_the_tokenizer(converted, kind):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(converted(kind, F32))
+    tokens, _ = tiny_vocab(len(tokenizer))
+    assert tokenizer.get_vocab() == {token: i for i, token in enumerate(tokens)}
+    assert tokenizer.encode(TEXT) == [tokens.index(t) for t in TEXT_TOKENS]
+
+
+def test_greedy_generation_matches_source_f32(files, kind):
+    path, reference_dir = files(kind, F32)
+    model, reference = load(path), load(reference_dir)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    batch = prompts(reference.config.vocab_size)
+    ours = Generator.from_components(model).generate(batch, params)
+    ref = Generator.from_components(reference).generate(batch, params)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+
+
+def test_generator_from_pretrained_gguf(files, kind):
+    """The user-facing path: ``Generator.from_pretrained`` reads model and tokenizer from it."""
+    path, reference_dir = files(kind, F32)
+    gen = Generator.from_pretrained(path, dtype="float32")
+    tokens, _ = tiny_vocab(gen.target.config.vocab_size)
+    ids = gen.encode(TEXT)
+    assert ids == [tokens.index(t) for t in TEXT_TOKENS]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = Generator.from_components(load(reference_dir)).generate([ids], params)[0]
+    assert gen.generate([TEXT], params)[0].token_ids == ref.token_ids
