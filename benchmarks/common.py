@@ -81,3 +81,30 @@ def write_json(name: str, payload: dict, out_dir: Path | str | None = None) -> P
     latest = out_dir / f"{name}-latest.json"
     latest.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def noisy_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A copy of ``model`` with seeded noise on every weight: a stand-in draft model for a
+    target that has no smaller sibling (stories260K)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
+
+
+def hf_model_ignoring_eos(path: Path | str, dtype: str):
+    """A transformers model whose ``generate`` neither stops at EOS nor masks it.
+
+    Equal work without changing the text, like specdec's ``SamplingParams(ignore_eos=True)``:
+    ``min_new_tokens`` would mask EOS and so change greedy outputs. ``generate()`` fills unset
+    options from the generation config, so EOS is removed there.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    return model

@@ -37,7 +37,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from benchmarks.common import PROSE_PROMPTS, RESULTS, humaneval_prompts, machine_info, write_json
+from benchmarks.common import (
+    PROSE_PROMPTS,
+    RESULTS,
+    hf_model_ignoring_eos,
+    humaneval_prompts,
+    machine_info,
+    write_json,
+)
 
 # ----------------------------------------------------------------------------- prompt sets
 
@@ -264,14 +271,7 @@ class ModelPool:
         )
 
     def _hf_load(self, path: Path):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.dtype)).eval()
-        # Equal work without changing the text: like specdec's ignore_eos, generation neither
-        # stops at EOS nor masks it (min_new_tokens would mask EOS and change greedy outputs).
-        # generate() fills unset options from this config, so EOS must be removed here.
-        model.generation_config.eos_token_id = None
-        return model
+        return hf_model_ignoring_eos(path, self.dtype)
 
     @functools.cached_property
     def hf_target(self):

@@ -1,6 +1,7 @@
 """specdec plain greedy decoding vs ``transformers.generate`` on the same checkpoint, one run.
 
-Batch 1, 128 new tokens (EOS ignored on both sides, so both do equal work), bf16 and float32,
+Batch 1, 128 new tokens (EOS neither stops nor is masked on either side, so both do equal work
+and the greedy texts are comparable), bf16 and float32,
 1 and 2 threads. Systems alternate inside every repeat so machine drift hits both alike; the
 report is the ratio of medians, and the greedy tokens of both systems are compared.
 
@@ -15,7 +16,13 @@ import statistics
 
 import torch
 
-from benchmarks.common import humaneval_prompts, machine_info, timed, write_json
+from benchmarks.common import (
+    hf_model_ignoring_eos,
+    humaneval_prompts,
+    machine_info,
+    timed,
+    write_json,
+)
 
 
 def _specdec_run(gen, prompt_ids, n):
@@ -32,22 +39,19 @@ def _hf_run(model, prompt_ids, n):
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
+            max_new_tokens=n,  # EOS neither stops nor is masked: see hf_model_ignoring_eos
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
 
 
 def bench(target: str, dtype: str, threads: list[int], repeats: int, new_tokens: int, prompt: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from specdec import Generator
     from specdec.hub import resolve_model
 
     path = resolve_model(target)
     gen = Generator.from_pretrained(path, dtype=dtype)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    hf = hf_model_ignoring_eos(path, dtype)
     prompt_ids = gen.encode(prompt)
     rows = []
     for t in threads:

@@ -11,11 +11,10 @@ accepts the most). This measures what reproducibility costs in acceptance, on st
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.common import machine_info, noisy_copy, write_json
 from specdec import Generator, SamplingParams
 from specdec.cli import bundled_model_path
 from specdec.models.loading import load_model
@@ -23,18 +22,6 @@ from specdec.proposers import DraftModel, MTPHead
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park. They",
            "One day, a bird", "The sun was", "Tim had a red ball."]
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _noisy_copy(model, scale: float, seed: int):
-    import copy
-
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
 
 
 def measure(gen: Generator, temperature: float, seeded: bool, repeats: int) -> dict:
@@ -62,7 +49,7 @@ def main() -> None:
     plain = Generator.from_pretrained(path, dtype="float32")
     proposers = {
         "mtp-head-k3": lambda: MTPHead.from_pretrained(path.parent / "stories260K-mtp", num_speculative_tokens=3),
-        "draft-model-k3": lambda: DraftModel.from_model(_noisy_copy(target, 0.2, 3), num_speculative_tokens=3),
+        "draft-model-k3": lambda: DraftModel.from_model(noisy_copy(target, 0.2, 3), num_speculative_tokens=3),
     }
     rows = []
     for name, make in proposers.items():
@@ -74,11 +61,10 @@ def main() -> None:
                        **measure(gen, temperature, seeded, repeats=20)}
                 rows.append(row)
                 print(json.dumps(row))
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"seeded-acceptance-{time.strftime('%Y%m%d-%H%M')}.json"
-    out.write_text(json.dumps({"model": "stories260K float32", "prompts": PROMPTS,
-                               "tokens_per_request": 64, "requests_per_cell": 20 * len(PROMPTS),
-                               "rows": rows}, indent=1))
+    out = write_json("seeded-acceptance", {
+        "machine": machine_info(), "model": "stories260K float32", "prompts": PROMPTS,
+        "tokens_per_request": 64, "requests_per_cell": 20 * len(PROMPTS), "rows": rows,
+    })
     print(out)
 
 
