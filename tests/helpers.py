@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import random
 from collections import Counter
 
@@ -33,12 +32,25 @@ def chi_square_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
 
 def perturbed(model, scale: float = 0.3, seed: int = 1):
     """A noisy copy of ``model``: a draft that agrees with it often but not always."""
-    other = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return other
+    from benchmarks.common import noisy_copy
+
+    return noisy_copy(model, scale, seed)
+
+
+def ragged_prefill_logits(model, prompts: list[list[int]], page_size: int = 4) -> list[torch.Tensor]:
+    """Every row's logits for a batch of prompts prefilled in one ragged paged forward."""
+    from specdec.attention import TorchAttentionBackend
+    from specdec.kv import KVCacheManager, PageAllocator
+
+    kv_manager = KVCacheManager(PageAllocator(256), page_size)
+    kv = kv_manager.add_pool(model.config.kv_spec("target", model.dtype), "cpu")
+    for i, p in enumerate(prompts):
+        kv_manager.add_sequence(i)
+        kv_manager.reserve(i, len(p))
+    backend = TorchAttentionBackend()
+    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
+    out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec))
+    return list(out.logits.split([len(p) for p in prompts]))
 
 
 def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[list[int]]:

@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_CONFIGS, make_hf_model
+from helpers import ragged_prefill_logits
 
 from specdec import Generator, SamplingParams
-from specdec.attention import TorchAttentionBackend
 from specdec.hub import convert_gguf
-from specdec.kv import KVCacheManager, PageAllocator
 from specdec.models.loading import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -257,19 +256,6 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 30)]
 
 
-def prefill_logits(model, batch: list[list[int]]) -> list[torch.Tensor]:
-    """Every position's logits for a batch of prompts prefilled in one ragged forward."""
-    kv_manager = KVCacheManager(PageAllocator(64), 4)
-    kv = kv_manager.add_pool(model.config.kv_spec("target", model.dtype), "cpu")
-    for i, p in enumerate(batch):
-        kv_manager.add_sequence(i)
-        kv_manager.reserve(i, len(p))
-    backend = TorchAttentionBackend()
-    layout = kv.layout(list(range(len(batch))), batch, [0] * len(batch))
-    out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec))
-    return list(out.logits.split([len(p) for p in batch]))
-
-
 def assert_same_config(model, reference) -> None:
     # GGUF stores the epsilon as float32, and 1e-6 does not survive that exactly.
     assert model.config.rms_norm_eps == pytest.approx(reference.config.rms_norm_eps, rel=1e-6)
@@ -281,7 +267,7 @@ def assert_same_logits(model, reference) -> None:
     # Same weights in float32 through the same kernels: any difference beyond rounding noise
     # is a loading bug (a q/k permutation alone moves logits by O(1)).
     batch = prompts(reference.config.vocab_size)
-    for ours, ref in zip(prefill_logits(model, batch), prefill_logits(reference, batch)):
+    for ours, ref in zip(ragged_prefill_logits(model, batch), ragged_prefill_logits(reference, batch)):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ragged_prefill_logits
 
 from specdec import Generator, SamplingParams
-from specdec.attention import TorchAttentionBackend
-from specdec.kv import KVCacheManager, PageAllocator
 from specdec.models.loading import load_model
 
 PROMPTS_STORIES = [
@@ -34,26 +33,13 @@ def _prompt_ids(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
-def _ragged_prefill_logits(model, prompts: list[list[int]], page_size: int) -> list[torch.Tensor]:
-    """Every row's logits for a batch of prompts prefilled in one ragged forward."""
-    kv_manager = KVCacheManager(PageAllocator(256), page_size)
-    kv = kv_manager.add_pool(model.config.kv_spec("target", model.dtype), "cpu")
-    for i, p in enumerate(prompts):
-        kv_manager.add_sequence(i)
-        kv_manager.reserve(i, len(p))
-    backend = TorchAttentionBackend()
-    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
-    out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec))
-    return list(out.logits.split([len(p) for p in prompts]))
-
-
 @pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "mistral"])
 def test_logits_match_transformers_tiny_float64(tiny_checkpoint, kind):
     path = tiny_checkpoint(kind)
     model, _, _ = load_model(path, dtype="float64")
     hf = _hf(path, torch.float64)
     prompts = _prompt_ids(model.config.vocab_size, 5, seed=1)
-    ours = _ragged_prefill_logits(model, prompts, page_size=4)
+    ours = ragged_prefill_logits(model, prompts, page_size=4)
     for p, logits in zip(prompts, ours):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
@@ -68,7 +54,7 @@ def test_logits_match_transformers_stories_float32(stories_path):
 
     tok = AutoTokenizer.from_pretrained(stories_path)
     prompts = [tok.encode(p) for p in PROMPTS_STORIES]
-    ours = _ragged_prefill_logits(model, prompts, page_size=16)
+    ours = ragged_prefill_logits(model, prompts, page_size=16)
     for p, logits in zip(prompts, ours):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]

@@ -24,11 +24,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import perturbed
+from helpers import perturbed, ragged_prefill_logits
 
 from specdec import CacheConfig, Generator, SamplingParams
-from specdec.attention import TorchAttentionBackend
-from specdec.kv import KVCacheManager, PageAllocator
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
 from specdec.proposers import DraftModel, PromptLookup
@@ -77,19 +75,6 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
         return hf(torch.tensor([ids]), use_cache=False).logits[0]
 
 
-def _prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every row's logits for a batch of prompts prefilled in one ragged paged forward."""
-    kv_manager = KVCacheManager(PageAllocator(256), PAGE_SIZE)
-    kv = kv_manager.add_pool(model.config.kv_spec("target", model.dtype), "cpu")
-    for i, p in enumerate(prompts):
-        kv_manager.add_sequence(i)
-        kv_manager.reserve(i, len(p))
-    backend = TorchAttentionBackend()
-    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
-    out = model(layout, kv, backend, backend.plan(layout, model.config.attention_spec))
-    return list(out.logits.split([len(p) for p in prompts]))
-
-
 def _generate(model, prompts: list[list[int]], proposer=None, k: int | None = None):
     """Greedy outputs with every step's full log-softmax recorded (logprobs = vocab size)."""
     gen = Generator.from_components(
@@ -124,7 +109,7 @@ def _check_against_transformers(hf, model, prompt: list[int], out) -> None:
     ours = _step_logprobs(out, model.config.vocab_size)
     torch.testing.assert_close(ours, ref.log_softmax(-1), **HF_TOL)
     # Decoding over the paged cache must give what a prefill of the whole sequence gives.
-    own = _prefill_logits(model, [full])[0][steps]
+    own = ragged_prefill_logits(model, [full])[0][steps]
     torch.testing.assert_close(ours, own.log_softmax(-1), **SELF_TOL)
 
 
@@ -146,7 +131,7 @@ def test_prefill_logits_match_transformers(mistral, window):
     hf, ours = mistral(window)
     lengths = [window - 1, window, window + 1, 2 * window + 3, 37]
     prompts = _random_ids(lengths, ours.config.vocab_size, seed=window)
-    for p, logits in zip(prompts, _prefill_logits(ours, prompts)):
+    for p, logits in zip(prompts, ragged_prefill_logits(ours, prompts)):
         torch.testing.assert_close(logits, _hf_logits(hf, p), **HF_TOL)
 
 
