@@ -247,19 +247,22 @@ def test_non_finite_probabilities_fail_only_their_request(target, monkeypatch):
 
     def poisoned(logits, st):
         probs = real(logits, st)
-        bad = torch.tensor([p.temperature == 0.5 for p in st.params])  # the victim's rows
+        bad = torch.tensor([p.temperature in (0.5, 0.6) for p in st.params])  # the victims
         return torch.where(bad[:, None], torch.nan, probs)
 
     monkeypatch.setattr(sampling, "processed_probs", poisoned)
     gen = Generator.from_components(target)
-    victim = SamplingParams(max_new_tokens=6, temperature=0.5, seed=1, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=6, temperature=0.5, seed=1, ignore_eos=True)
+    unseeded = SamplingParams(max_new_tokens=6, temperature=0.6, ignore_eos=True)
     other = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
-    handles = [gen.submit([1, 2], victim), gen.submit([3, 4], other), gen.submit([5], GREEDY)]
-    with pytest.raises(RequestError, match="sampling probabilities are not finite"):
-        handles[0].result()
-    assert handles[0].output_ids == []
-    assert len(handles[1].result().token_ids) == 6
-    assert len(handles[2].result().token_ids) == 12
+    victims = [gen.submit([1, 2], seeded), gen.submit([1, 3], unseeded)]
+    handles = [gen.submit([3, 4], other), gen.submit([5], GREEDY)]
+    for victim in victims:  # both ways of drawing (position-keyed noise, a stream) refuse
+        with pytest.raises(RequestError, match="sampling probabilities are not finite"):
+            victim.result()
+        assert victim.output_ids == []
+    assert len(handles[0].result().token_ids) == 6
+    assert len(handles[1].result().token_ids) == 12
     assert_clean(gen)
 
 
