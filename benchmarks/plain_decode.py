@@ -2,8 +2,9 @@
 
 Batch 1, 128 new tokens (EOS neither stops nor is masked on either side, so both do equal work
 and the greedy texts are comparable), bf16 and float32,
-1 and 2 threads. Systems alternate inside every repeat so machine drift hits both alike; the
-report is the ratio of medians, and the greedy tokens of both systems are compared.
+1 and 2 threads. Systems alternate inside every repeat (and which goes first alternates too) so
+machine drift hits both alike; the report is the ratio of medians with every repeat's tok/s
+kept (the spread), and the greedy tokens of both systems are compared.
 
     python -m benchmarks.plain_decode [--target qwen2.5-coder-1.5b-instruct] [--repeats 3]
 """
@@ -60,9 +61,11 @@ def bench(target: str, dtype: str, threads: list[int], repeats: int, new_tokens:
         _hf_run(hf, prompt_ids, 8)
         times = {"specdec": [], "transformers": []}
         tokens = {}
-        for _ in range(repeats):
-            for name, fn in (("specdec", lambda: _specdec_run(gen, prompt_ids, new_tokens)),
-                             ("transformers", lambda: _hf_run(hf, prompt_ids, new_tokens))):
+        systems = (("specdec", lambda: _specdec_run(gen, prompt_ids, new_tokens)),
+                   ("transformers", lambda: _hf_run(hf, prompt_ids, new_tokens)))
+        for r in range(repeats):
+            # Alternate which system runs first, so neither always inherits the other's state.
+            for name, fn in systems if r % 2 == 0 else systems[::-1]:
                 elapsed, toks = timed(fn)
                 times[name].append(elapsed)
                 tokens[name] = toks
