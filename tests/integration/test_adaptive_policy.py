@@ -218,3 +218,39 @@ def test_each_generator_gets_its_own_default_policy(tiny_pair):
     a = Generator.from_components(target, proposer=_proposer("lookup", draft))
     b = a.with_proposer(_proposer("lookup", draft), cache_config=CacheConfig(page_size=8))
     assert isinstance(b.policy, AdaptivePolicy) and b.policy is not a.policy
+
+
+def _slow_target(model, per_row_after_8: float):
+    """``model`` with a sleep after every forward: 20 ms up to 8 rows, then ``per_row_after_8``
+    seconds a row, the flat-then-linear shape of a target pass on this CPU, made large enough
+    to dominate the tiny model's own time."""
+    import copy
+    import time
+
+    slow = copy.deepcopy(model)
+    forward = slow.forward
+
+    def timed_forward(layout, *args, **kwargs):
+        out = forward(layout, *args, **kwargs)
+        time.sleep(0.020 + per_row_after_8 * max(0, layout.num_tokens - 8))
+        return out
+
+    slow.forward = timed_forward
+    return slow
+
+
+def test_a_fresh_generator_speculates_when_it_pays(tiny_pair):
+    """Cold start on a convex (flat-then-linear) cost: verify passes of up to 8 rows cost what
+    a decode step costs, a 30-row prefill costs 23x. A draft identical to the target (always
+    accepted, and not slowed) makes speculation pay from the first request; the policy must
+    find that out in that request, not assume the chord from 1 to 30 rows."""
+    target, _ = tiny_pair
+    slow = _slow_target(target, per_row_after_8=0.020)
+    prompt = random_prompts(target.config.vocab_size, 1, seed=9, max_len=31)[0]
+    prompt = (prompt * 30)[:30]
+    gen = Generator.from_components(slow, proposer=DraftModel.from_model(target, num_speculative_tokens=K))
+    out = gen.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    plain = Generator.from_components(target).generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert out.token_ids == plain.token_ids
+    assert out.metrics.num_drafted > 0, out.metrics.k_histogram
+    assert out.metrics.num_target_forwards < 12  # most steps speculated (plain: 24)
