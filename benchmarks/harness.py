@@ -13,6 +13,8 @@ outputs are checked token for token against specdec-plain (``matches_plain``).
 Systems:
     specdec-plain   Generator without a proposer (the baseline every ratio refers to)
     specdec-draft   Generator + DraftModel(draft, k)
+    specdec-draft-adaptive  the same with the default AdaptivePolicy (k at most the grid's k),
+                    built fresh for the run: it learns its costs from the warm-up on
     specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
     specdec-mtp     Generator + MTPHead(--mtp-head, k)           (a head trained for --target)
     hf-plain        transformers ``model.generate``
@@ -300,15 +302,16 @@ def _specdec_plain(pool: ModelPool, k: int | None) -> SpecdecRunner:
 
 
 # The grid's k is a fixed k (FixedPolicy): this harness compares speculation at a known k with
-# transformers' at the same k. benchmarks/throughput.py measures the adaptive policy.
-def _specdec_draft(pool: ModelPool, k: int | None) -> SpecdecRunner:
+# transformers' at the same k; specdec-draft-adaptive lets the adaptive policy choose up to k
+# (benchmarks/throughput.py measures it across batch sizes).
+def _specdec_draft(pool: ModelPool, k: int | None, *, adaptive: bool = False) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
     return SpecdecRunner(
         pool.specdec_generator(
             DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k),
-            policy=FixedPolicy(k),
+            policy=None if adaptive else FixedPolicy(k),
         )
     )
 
@@ -392,6 +395,12 @@ SYSTEMS = {
             twin="hf-assisted",
         ),
         System(
+            name="specdec-draft-adaptive",
+            build=functools.partial(_specdec_draft, adaptive=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
+        System(
             name="specdec-lookup",
             build=_specdec_lookup,
             speculative=True,
@@ -422,7 +431,10 @@ SYSTEMS = {
 
 @attrs.frozen(kw_only=True)
 class HarnessConfig:
-    systems: tuple[str, ...] = tuple(n for n in SYSTEMS if n != "specdec-mtp")  # mtp needs --mtp-head
+    # The README table; specdec-mtp needs --mtp-head.
+    systems: tuple[str, ...] = tuple(
+        n for n in SYSTEMS if n not in ("specdec-mtp", "specdec-draft-adaptive")
+    )
     prompt_sets: tuple[str, ...] = ("humaneval",)
     num_prompts: int = 10
     ks: tuple[int, ...] = (2, 4)
