@@ -106,24 +106,24 @@ class CostCurve:
     One exponential moving average of ``(size, seconds)`` per power-of-two bucket of sizes,
     made non-decreasing. Between two points in neighbouring buckets :meth:`estimate`
     interpolates linearly. Where buckets in between were *never measured*, it stays flat at
-    the lower point's cost up to the start of the upper point's bucket and rises linearly
-    only inside that bucket: costs are often flat-then-linear (a target pass is memory-bound
-    up to some rows, then compute-bound), and the chord from one row to a 60-row prefill
-    would price a 6-row verify pass at several times what it costs, so a policy would never
-    try it. Assumed flat, an unmeasured size gets tried, measured, and corrected. Below the
-    smallest point the cost scales with the size (a lower bound when per-unit cost falls
-    with size); above the largest it follows ``above``. :meth:`chord` is the plain linear
-    interpolation, for estimates that are proxies rather than sizes to try.
+    the lower point's cost across the next bucket (up to 4x the lower bucket's start) and
+    rises linearly from there to the upper point: costs are often flat-then-linear (a target
+    pass is memory-bound up to some rows, then compute-bound), and the chord from one row to
+    a 60-row prefill would price a 3-row verify pass at well above what it costs, so a
+    policy would never try it. Assumed flat, the next bucket gets tried, measured, and
+    corrected, one bucket at a time (so a wrong guess costs one step of at most twice the
+    rows). Below the smallest point the cost scales with the size (a lower bound when
+    per-unit cost falls with size); above the largest it follows ``above``. :meth:`chord`
+    is the plain linear interpolation, for estimates that are proxies rather than sizes to
+    try.
 
     Example:
         >>> curve = CostCurve(decay=0.8)
         >>> curve.observe(1, 0.150); curve.observe(64, 0.900)
-        >>> curve.estimate(8)  # buckets 2 .. 32 unmeasured: flat from the point at 1
+        >>> curve.estimate(3)  # bucket [2, 4) unmeasured: flat from the point at 1
         0.15
-        >>> round(curve.chord(8), 3)
-        0.233
-        >>> curve.observe(12, 0.200); round(curve.estimate(10), 3)  # rising inside [8, 16)
-        0.175
+        >>> round(curve.estimate(8), 3), round(curve.chord(8), 3)  # further: rising
+        (0.2, 0.233)
     """
 
     def __init__(self, decay: float, above: Extrapolation = Extrapolation.PROPORTIONAL) -> None:
@@ -178,9 +178,11 @@ class CostCurve:
         i = bisect.bisect_right(xs, size)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         start = x0
-        upper_bucket = int(math.log2(x1))
-        if flat_gaps and upper_bucket > int(math.log2(x0)) + 1:
-            start = max(x0, 2.0**upper_bucket)  # unmeasured buckets between: flat until here
+        lower_bucket = int(math.log2(x0))
+        if flat_gaps and int(math.log2(x1)) > lower_bucket + 1:
+            # Unmeasured buckets between: flat across the next one only, so exploration goes
+            # one bucket (at most twice the rows) at a time, each step measured before the next.
+            start = 2.0 ** (lower_bucket + 2)
         if size <= start:
             return y0
         return y0 + (y1 - y0) * (size - start) / (x1 - start)

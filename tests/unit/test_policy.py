@@ -102,13 +102,14 @@ def test_cost_curve_interpolates_between_measured_points():
     assert curve.estimate(1) == pytest.approx(0.1)
     assert curve.estimate(16) == pytest.approx(0.4)
     assert curve.chord(6) == pytest.approx(0.1 + 0.3 * 5 / 15)
-    # Buckets [2, 4) and [4, 8) and [8, 16) were never measured: flat, so they get tried.
-    assert curve.estimate(6) == pytest.approx(0.1)
-    assert curve.estimate(15.99) == pytest.approx(0.1)
-    curve.observe(6, 0.12)  # tried and measured: from now on interpolated
-    assert curve.estimate(6) == pytest.approx(0.12)
-    assert curve.estimate(5) == pytest.approx(0.1 + 0.02 * (5 - 4) / (6 - 4))  # rises in [4, 8)
-    assert curve.estimate(12) == pytest.approx(0.12)  # [8, 16) still untried
+    # Buckets [2, 4) .. [8, 16) were never measured: flat across the next one ([2, 4)), so it
+    # gets tried, then rising from 4 rows to the next measured point.
+    assert curve.estimate(3) == pytest.approx(0.1)
+    assert curve.estimate(6) == pytest.approx(0.1 + 0.3 * 2 / 12)
+    curve.observe(3, 0.1)  # tried and measured flat: the flat range moves on to [4, 8)
+    assert curve.estimate(7) == pytest.approx(0.1)
+    assert curve.estimate(12) == pytest.approx(0.1 + 0.3 * 4 / 8)
+    curve.observe(6, 0.12)
     curve.observe(12, 0.2)
     assert curve.estimate(9) == pytest.approx(0.12 + 0.08 * 3 / 6)  # neighbouring buckets: chord
 
