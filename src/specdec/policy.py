@@ -103,27 +103,19 @@ class Extrapolation(enum.Enum):
 class CostCurve:
     """Seconds of an operation as a function of a size, learned from observations.
 
-    One exponential moving average of ``(size, seconds)`` per power-of-two bucket of sizes,
-    made non-decreasing. Between two points in neighbouring buckets :meth:`estimate`
-    interpolates linearly. Where buckets in between were *never measured*, it stays flat at
-    the lower point's cost across the next bucket (up to 4x the lower bucket's start) and
-    rises linearly from there to the upper point: costs are often flat-then-linear (a target
-    pass is memory-bound up to some rows, then compute-bound), and the chord from one row to
-    a 60-row prefill would price a 3-row verify pass at well above what it costs, so a
-    policy would never try it. Assumed flat, the next bucket gets tried, measured, and
-    corrected, one bucket at a time (so a wrong guess costs one step of at most twice the
-    rows). Below the smallest point the cost scales with the size (a lower bound when
-    per-unit cost falls with size); above the largest it follows ``above``. :meth:`chord`
-    is the plain linear interpolation, for estimates that are proxies rather than sizes to
-    try.
+    One exponential moving average of ``(size, seconds)`` per power-of-two bucket of sizes;
+    :meth:`estimate` interpolates linearly between the bucket points, made non-decreasing.
+    Below the smallest point the cost scales with the size (a lower bound when per-unit cost
+    falls with size); above the largest it follows ``above``. Costs per row fall with the
+    number of rows (memory-bound at few rows, compute-bound at many), so the chord between two
+    points *under*-estimates the cost in between: a policy using the curve is optimistic about
+    sizes it has not measured, tries them once, measures, and corrects.
 
     Example:
         >>> curve = CostCurve(decay=0.8)
         >>> curve.observe(1, 0.150); curve.observe(64, 0.900)
-        >>> curve.estimate(3)  # bucket [2, 4) unmeasured: flat from the point at 1
-        0.15
-        >>> round(curve.estimate(8), 3), round(curve.chord(8), 3)  # further: rising
-        (0.2, 0.233)
+        >>> round(curve.estimate(8), 3)
+        0.233
     """
 
     def __init__(self, decay: float, above: Extrapolation = Extrapolation.PROPORTIONAL) -> None:
@@ -159,15 +151,7 @@ class CostCurve:
             self._ys.append(top)
 
     def estimate(self, size: float) -> float:
-        """Estimated seconds at ``size``, flat across unmeasured buckets; 0.0 before any
-        observation."""
-        return self._interpolate(size, flat_gaps=True)
-
-    def chord(self, size: float) -> float:
-        """Estimated seconds at ``size`` by linear interpolation between the points."""
-        return self._interpolate(size, flat_gaps=False)
-
-    def _interpolate(self, size: float, *, flat_gaps: bool) -> float:
+        """Estimated seconds at ``size``; 0.0 before any observation."""
         xs, ys = self._xs, self._ys
         if not xs or size <= 0:
             return 0.0
@@ -177,15 +161,7 @@ class CostCurve:
             return ys[-1] * size / xs[-1] if self.above is Extrapolation.PROPORTIONAL else ys[-1]
         i = bisect.bisect_right(xs, size)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        start = x0
-        lower_bucket = int(math.log2(x0))
-        if flat_gaps and int(math.log2(x1)) > lower_bucket + 1:
-            # Unmeasured buckets between: flat across the next one only, so exploration goes
-            # one bucket (at most twice the rows) at a time, each step measured before the next.
-            start = 2.0 ** (lower_bucket + 2)
-        if size <= start:
-            return y0
-        return y0 + (y1 - y0) * (size - start) / (x1 - start)
+        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
 
 
 # ----------------------------------------------------------------------------- policies
@@ -367,8 +343,7 @@ class AdaptivePolicy:
         if t1 <= 0:
             return 0.0
         ratio = self.draft_cost.estimate(1) / t1
-        # A proxy, not a size the policy tries: no optimism across unmeasured buckets.
-        return ratio * max(0.0, self.target_cost.chord(unseen + 1) - t1)
+        return ratio * max(0.0, self.target_cost.estimate(unseen + 1) - t1)
 
     # ------------------------------------------------------------------ choosing
     def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:

@@ -239,6 +239,11 @@ def _slow_target(model, per_row_after_8: float):
     return slow
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known weakness (docs/concepts.md, issue 12): a fresh policy prices verify passes "
+    "by the chord from one row to the prefill, so on a convex cost it never tries speculating",
+)
 def test_a_fresh_generator_speculates_when_it_pays(tiny_pair):
     """Cold start on a convex (flat-then-linear) cost: verify passes of up to 8 rows cost what
     a decode step costs, a 30-row prefill costs 23x. A draft identical to the target (always

@@ -101,17 +101,7 @@ def test_cost_curve_interpolates_between_measured_points():
     assert curve.measured
     assert curve.estimate(1) == pytest.approx(0.1)
     assert curve.estimate(16) == pytest.approx(0.4)
-    assert curve.chord(6) == pytest.approx(0.1 + 0.3 * 5 / 15)
-    # Buckets [2, 4) .. [8, 16) were never measured: flat across the next one ([2, 4)), so it
-    # gets tried, then rising from 4 rows to the next measured point.
-    assert curve.estimate(3) == pytest.approx(0.1)
-    assert curve.estimate(6) == pytest.approx(0.1 + 0.3 * 2 / 12)
-    curve.observe(3, 0.1)  # tried and measured flat: the flat range moves on to [4, 8)
-    assert curve.estimate(7) == pytest.approx(0.1)
-    assert curve.estimate(12) == pytest.approx(0.1 + 0.3 * 4 / 8)
-    curve.observe(6, 0.12)
-    curve.observe(12, 0.2)
-    assert curve.estimate(9) == pytest.approx(0.12 + 0.08 * 3 / 6)  # neighbouring buckets: chord
+    assert curve.estimate(6) == pytest.approx(0.1 + 0.3 * 5 / 15)
 
 
 def test_cost_curve_is_monotone():
@@ -120,10 +110,9 @@ def test_cost_curve_is_monotone():
     curve.observe(8, 0.2)  # noise: a cheaper measurement at more rows
     curve.observe(32, 0.9)
     sizes = [1, 2, 3, 5, 8, 13, 20, 32, 50, 100]
-    for estimate in (curve.estimate, curve.chord):
-        values = [estimate(s) for s in sizes]
-        assert values == sorted(values)
-        assert estimate(8) == pytest.approx(0.3)
+    values = [curve.estimate(s) for s in sizes]
+    assert values == sorted(values)
+    assert curve.estimate(8) == pytest.approx(0.3)
 
 
 def test_cost_curve_extrapolation():
@@ -308,46 +297,6 @@ def test_fixed_policy_drafts_its_k_within_caps():
 def test_fixed_policy_rejects_bad_k(k, error):
     with pytest.raises(error, match="k must"):
         FixedPolicy(k)
-
-
-def flat_then_linear(rows: int) -> float:
-    """This CPU's shape of a target pass: memory-bound (flat) up to 8 rows, then every row
-    costs its share of compute."""
-    return 0.100 + 0.012 * max(0, rows - 8)
-
-
-def test_cold_start_on_a_flat_then_linear_cost_tries_speculation():
-    """A fresh generator has measured a prefill (30 rows) and a few 1-row decode steps. The
-    chord between them prices a 5-row verify pass at ~1.4x a decode step (it costs 1x), which
-    made the old policy never speculate; unmeasured sizes are now tried."""
-    policy = AdaptivePolicy()
-    policy.observe_target(30, flat_then_linear(30))
-    for _ in range(3):
-        policy.observe_target(1, flat_then_linear(1))
-    assert policy.target_cost.chord(5) > 1.3 * flat_then_linear(5)  # what misled the old policy
-    ctx = context(1)
-    ks = policy.choose(ctx)  # free drafting (nothing measured) at the prior acceptance 0.6
-    assert ks[0] > 0
-    # Measured, the verify pass is as cheap as assumed: speculation goes on.
-    policy.observe_target(ks[0] + 1, flat_then_linear(ks[0] + 1))
-    policy.observe_propose(1, ks[0], 0.002 * ks[0], unseen=0)
-    accepting(policy, 0, accepted=3, drafted=4, n=5)
-    assert policy.choose(ctx)[0] > 0
-
-
-def test_cold_start_stops_when_the_tried_size_turns_out_expensive():
-    """The other half of "tried rather than assumed": a verify pass that costs twice a decode
-    step and drafts that mostly fail switch speculation off once measured."""
-    policy = AdaptivePolicy()
-    policy.observe_target(30, 3.0)
-    policy.observe_target(1, 0.100)
-    ctx = context(1)
-    k = policy.choose(ctx)[0]
-    assert k > 0
-    policy.observe_target(k + 1, 0.200)
-    policy.observe_propose(1, k, 0.010 * k, unseen=0)
-    accepting(policy, 0, accepted=0, drafted=k, n=10)
-    assert policy.choose(ctx) == (0,)
 
 
 def test_no_costs_measured_means_a_plain_step():
