@@ -15,8 +15,9 @@ while they equal these tokens (see :func:`specdec.verify.chain.coupled_verify`),
 proposer that draws its drafts with the same noise agrees with them as often as its
 distribution agrees with the target's.
 
-The stream is plain integer arithmetic (no ``torch.Generator``), so it is the same on every
-device; :func:`uniforms_reference` is its pure-Python reference.
+The stream is plain integer arithmetic (no ``torch.Generator``), meant to be the same on every
+device; :func:`uniforms_reference` is its pure-Python reference (the CPU path is tested
+against it bit for bit; the CUDA path has not run yet).
 
 Example:
     >>> noise = SeededNoise(seed=7, position=12)
