@@ -415,12 +415,18 @@ def test_catch_up_is_paid_only_where_the_remaining_tokens_repay_it():
         ("probe_budget", "1%", TypeError),
         ("min_probe_interval", 0, ValueError),
         ("min_probe_interval", 2.5, TypeError),
-        ("fixed_k_for_seeded_sampling", "yes", TypeError),
     ],
 )
 def test_bad_config_names_the_field(field, value, error):
     with pytest.raises(error, match=field):
         AdaptivePolicyConfig(**{field: value})
+
+
+def test_the_removed_seeded_sampling_knob_is_refused_by_name():
+    """Seeded requests no longer need a pinned k (their tokens do not depend on k), so the
+    knob is gone; passing it fails loudly rather than being ignored."""
+    with pytest.raises(TypeError, match="fixed_k_for_seeded_sampling"):
+        AdaptivePolicyConfig(fixed_k_for_seeded_sampling=True)
 
 
 def test_adaptive_policy_takes_only_its_config():
