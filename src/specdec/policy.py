@@ -106,16 +106,22 @@ class CostCurve:
     One exponential moving average of ``(size, seconds)`` per power-of-two bucket of sizes;
     :meth:`estimate` interpolates linearly between the bucket points, made non-decreasing.
     Below the smallest point the cost scales with the size (a lower bound when per-unit cost
-    falls with size); above the largest it follows ``above``. Costs per row fall with the
-    number of rows (memory-bound at few rows, compute-bound at many), so the chord between two
-    points *under*-estimates the cost in between: a policy using the curve is optimistic about
-    sizes it has not measured, tries them once, measures, and corrects.
+    falls with size); above the largest it follows ``above``.
+
+    Between measured points the true curve may be concave (the chord under-estimates) or
+    convex: on a CPU a pass costs about the same for 1-6 rows and then grows linearly, so the
+    chord from one row to a long prefill *over*-estimates a 5-row verify pass several times
+    over. ``estimate(size, optimistic=True)`` therefore prices a size whose bucket has no
+    measurement yet at the nearest measured cost below it (a lower bound: costs do not fall
+    with size): a policy tries such a size once, measures it, and corrects.
 
     Example:
         >>> curve = CostCurve(decay=0.8)
         >>> curve.observe(1, 0.150); curve.observe(64, 0.900)
         >>> round(curve.estimate(8), 3)
         0.233
+        >>> curve.estimate(8, optimistic=True)  # bucket 8-15 not measured yet
+        0.15
     """
 
     def __init__(self, decay: float, above: Extrapolation = Extrapolation.PROPORTIONAL) -> None:
@@ -150,11 +156,18 @@ class CostCurve:
             top = max(top, y)
             self._ys.append(top)
 
-    def estimate(self, size: float) -> float:
-        """Estimated seconds at ``size``; 0.0 before any observation."""
+    def measured_at(self, size: float) -> bool:
+        """Whether ``size``'s bucket has a measurement."""
+        return size >= 1 and int(math.log2(size)) in self._points
+
+    def estimate(self, size: float, *, optimistic: bool = False) -> float:
+        """Estimated seconds at ``size``; 0.0 before any observation. ``optimistic``: an
+        unmeasured bucket costs what the nearest measured size below it costs."""
         xs, ys = self._xs, self._ys
         if not xs or size <= 0:
             return 0.0
+        if optimistic and size > xs[0] and not self.measured_at(size):
+            return ys[bisect.bisect_right(xs, size) - 1]
         if size <= xs[0]:
             return ys[0] * size / xs[0]
         if size >= xs[-1]:
@@ -282,6 +295,12 @@ class AdaptivePolicy:
     prefix with the best rate is kept; each such plan is polished by single +-1 changes, and
     the best plan wins. All zeros (a plain step) wins unless something beats it.
 
+    Cold start: target passes of a row count whose bucket has not been measured are priced
+    optimistically (:meth:`CostCurve.estimate` with ``optimistic=True``), so a fresh policy
+    tries speculating as soon as a plain step has been measured, and each row-count bucket is
+    tried at most once before real costs decide. The proposer's cost is unknown until it first
+    drafts; at batch size > 1 that first drafting step drafts for one request only.
+
     Probing: a request at k = 0 is never measured again, so once it has spent enough steps at
     k = 0 that one probe step (k = 1, including what the proposer must catch up on) costs at
     most ``probe_budget`` of that time, and only if it would draft were its acceptance as good
@@ -325,7 +344,7 @@ class AdaptivePolicy:
         """Estimated seconds of a step: ``rows`` target rows, ``drafting`` requests drafting
         ``width`` tokens."""
         draft = self.draft_cost.estimate(drafting) * width if width > 0 else 0.0
-        return self.target_cost.estimate(rows) + draft
+        return self.target_cost.estimate(rows, optimistic=True) + draft
 
     def catchup_seconds(self, unseen: int) -> float:
         """Estimated extra drafting time for ``unseen`` tokens the proposer has not seen.
@@ -353,6 +372,11 @@ class AdaptivePolicy:
         if not self.target_cost.measured:
             ks = [0] * len(caps)  # no costs yet: a plain step measures one
         else:
+            if not self.draft_cost.measured and len(caps) > 1:
+                # The first drafting step prices the proposer (and its catch-up on a whole
+                # prompt): one request, the one with the least to catch up on, pays for it.
+                first = min(range(len(caps)), key=lambda r: ctx.unseen[r])
+                caps = [c if r == first else 0 for r, c in enumerate(caps)]
             acc = [self.acceptance(s) for s in ctx.seq_ids]
             switch = [self._switch_seconds(ctx, acc, r) for r in range(len(caps))]
             ks = self._plan(acc, caps, switch)

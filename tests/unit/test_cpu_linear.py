@@ -66,3 +66,20 @@ def test_pack_linears_replaces_only_bf16_linears():
     pack_linears(model)
     assert isinstance(model[0], PackedLinear)
     assert isinstance(model[1], nn.Linear)
+
+
+@needs_kernel
+@pytest.mark.parametrize("numel", [8, 8 * 7, 8 * 4096 * 3 + 8])
+def test_read_stream_reads_every_block(numel):
+    """The bandwidth probe reads all of the tensor: its checksum is the XOR of every 32-byte
+    block, and changing any one block changes it."""
+    from specdec.kernels.cpu_linear import load_kernel
+
+    t = torch.randint(-(2**62), 2**62, (numel // 2,), dtype=torch.int64).view(torch.float32)
+    want = 0
+    for w in t.view(torch.int64).tolist():
+        want ^= w
+    kernel = load_kernel()
+    assert kernel.read_stream(t) == want
+    t.view(torch.int64)[-1] ^= 1
+    assert kernel.read_stream(t) == want ^ 1

@@ -303,6 +303,99 @@ def test_no_costs_measured_means_a_plain_step():
     assert AdaptivePolicy().choose(context(2)) == (0, 0)
 
 
+# ----------------------------------------------------------------------------- this CPU, cold
+
+
+def convex(rows: int) -> float:
+    """Seconds of a target pass on this project's CPU (1.5B bf16, one thread, profile of
+    2026-12-01): flat up to 6 rows (weight reads), then each row costs its compute."""
+    return 0.270 + 0.018 * max(0, rows - 1) + 0.035 * max(0, rows - 6)
+
+
+def test_cost_curve_optimistic_prices_unmeasured_buckets_from_below():
+    curve = CostCurve(decay=0.8)
+    curve.observe(1, convex(1))
+    curve.observe(150, convex(150))
+    # The chord from 1 to 150 rows prices a 5-row verify pass 40% above its cost...
+    assert curve.estimate(5) > 1.3 * convex(5)
+    # ... optimism prices it like the measured step below it, until it is measured.
+    assert curve.estimate(5, optimistic=True) == convex(1)
+    curve.observe(5, convex(5))
+    assert curve.estimate(5, optimistic=True) == pytest.approx(convex(5))
+    assert curve.estimate(6, optimistic=True) == curve.estimate(6)  # same bucket: measured
+    assert curve.estimate(200, optimistic=True) == curve.estimate(200)  # above: as configured
+    assert curve.measured_at(5) and not curve.measured_at(9) and not curve.measured_at(0.5)
+
+
+def steep(rows: int) -> float:
+    """A more convex curve (the integration test's slowed target): flat up to 8 rows, then
+    each row costs what a whole decode step does."""
+    return 0.020 + 0.020 * max(0, rows - 8)
+
+
+@pytest.mark.parametrize(("cost", "prompt"), [(convex, 150), (steep, 30)])
+def test_a_cold_policy_tries_speculating_on_a_convex_cost(cost, prompt):
+    policy = AdaptivePolicy()
+    policy.observe_target(prompt, cost(prompt))
+    policy.observe_target(1, cost(1))
+    (k,) = policy.choose(context(1, unseen=prompt + 1))
+    assert k > 0
+
+
+def test_negative_control_the_chord_never_tries_on_the_steep_curve():
+    """Priced by the chord from one row to the prefill (the 2026-11-30 policy), the same cold
+    policy stays plain: the test above is what catches that policy."""
+    policy = AdaptivePolicy()
+    policy.observe_target(30, steep(30))
+    policy.observe_target(1, steep(1))
+    policy.step_seconds = lambda rows, drafting, width: (  # the pre-fix estimate
+        policy.target_cost.estimate(rows) + policy.draft_cost.estimate(drafting) * width
+    )
+    assert policy.choose(context(1, unseen=31)) == (0,)
+
+
+def test_once_measured_the_convex_curve_picks_the_best_k():
+    policy = AdaptivePolicy()
+    for rows in (1, 2, 3, 5, 7, 9, 17, 33, 150):
+        policy.observe_target(rows, convex(rows))
+    policy.observe_propose(1, 1, 0.100, unseen=0)  # a 0.5B draft forward
+    accepting(policy, 0, accepted=4, drafted=5, n=60)  # a = 0.8
+    ctx = context(1)
+    (k,) = policy.choose(ctx)
+    rates = {j: estimated_rate(policy, ctx, (j,)) for j in range(MAX_K + 1)}
+    assert k == max(rates, key=rates.get) and k > 0
+
+
+def test_a_cold_policy_stops_where_speculation_cannot_pay():
+    """Every row costs its full price (compute-bound): after trying each bucket once with
+    perfect drafts, the policy decodes plainly."""
+    policy = AdaptivePolicy()
+    policy.observe_target(150, 0.01 * 150)
+    policy.observe_target(1, 0.01)
+    tries = 0
+    for _ in range(40):
+        (k,) = policy.choose(context(1))
+        if k:
+            tries += 1
+            policy.observe_propose(1, k, 0.003 * k, unseen=0)
+            policy.observe_verify(0, k, k)
+        policy.observe_target(k + 1, 0.01 * (k + 1))
+    assert 1 <= tries <= 3  # buckets 2-3, 4-7 (and 8-15) at most once each
+    assert policy.choose(context(1)) == (0,)
+
+
+def test_a_cold_batch_lets_one_request_price_the_proposer():
+    policy = AdaptivePolicy()
+    policy.observe_target(150, convex(150))  # a prefill and a plain step
+    policy.observe_target(1, convex(1))
+    ks = policy.choose(
+        SpeculationContext(
+            seq_ids=(0, 1, 2), params=(GREEDY,) * 3, caps=(100,) * 3, unseen=(151, 40, 90), max_k=MAX_K
+        )
+    )
+    assert ks[1] > 0 and ks[0] == ks[2] == 0
+
+
 # ----------------------------------------------------------------------------- probing
 
 

@@ -7,7 +7,8 @@
 // inner loop is an outer product: one 32-byte load of 16 weights, two unpack instructions to
 // float32, then one broadcast and two FMAs per activation row. A panel is streamed once per
 // group of up to 6 rows, so M = 1..6 rows cost about as much as one (memory-bound), and large
-// M runs near the FMA peak.
+// M runs near the FMA peak. Panels are the outer loop: a panel read from memory for the first
+// group of rows is still in cache for the next groups, so M > 6 does not re-read the weights.
 //
 // Packing order inside a panel: [n0..3, n8..11, n4..7, n12..15]. With that order
 // _mm256_unpacklo_epi16(0, raw) yields features 0..7 and _mm256_unpackhi_epi16(0, raw)
@@ -23,10 +24,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kPanel = 16;
+// Software prefetch distance in panel rows (32 bytes each): 8 KiB ahead. Without it the
+// hardware prefetcher falls behind as soon as the loop has compute to do (3+ rows), and a 6-row
+// pass cost 1.85x a 1-row pass instead of 1.3x (weights larger than the L3, one thread).
+constexpr int64_t kPrefetchRows = 256;
 
 inline void load_panel_row(const uint16_t* p, __m256& lo, __m256& hi) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -36,7 +42,7 @@ inline void load_panel_row(const uint16_t* p, __m256& lo, __m256& hi) {
 }
 
 // MR activation rows times NP panels (16 features each); MR * 2 * NP accumulators.
-template <int MR, int NP>
+template <int MR, int NP, bool PREFETCH>
 void micro(const float* x, int64_t K, const uint16_t* panels, float* out, int64_t ldo,
            int64_t panel0, int64_t N) {
   __m256 acc[MR][2 * NP];
@@ -48,6 +54,11 @@ void micro(const float* x, int64_t K, const uint16_t* panels, float* out, int64_
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) w[j] = panels + (panel0 + j) * K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
+    if (PREFETCH && (k & 1) == 0) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchRows) * kPanel), _MM_HINT_T0);
+    }
     __m256 wv[2 * NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) load_panel_row(w[j] + k * kPanel, wv[2 * j], wv[2 * j + 1]);
@@ -77,27 +88,31 @@ void micro(const float* x, int64_t K, const uint16_t* panels, float* out, int64_
   }
 }
 
-// All panels in [p0, p1) for one group of MR rows; small MR takes two panels at a time so
-// enough independent FMA chains are in flight.
-template <int MR>
-void panels_for_rows(const float* x, int64_t K, const uint16_t* panels, float* out, int64_t ldo,
-                     int64_t p0, int64_t p1, int64_t N) {
-  int64_t p = p0;
-  if constexpr (MR <= 2) {
-    for (; p + 2 <= p1; p += 2) micro<MR, 2>(x, K, panels, out, ldo, p, N);
-  }
-  for (; p < p1; ++p) micro<MR, 1>(x, K, panels, out, ldo, p, N);
+template <int MR, int NP>
+void group(bool first, const float* x, int64_t K, const uint16_t* panels, float* out,
+           int64_t ldo, int64_t p, int64_t N) {
+  if (first) micro<MR, NP, true>(x, K, panels, out, ldo, p, N);
+  else micro<MR, NP, false>(x, K, panels, out, ldo, p, N);
 }
 
-void rows_dispatch(int64_t mr, const float* x, int64_t K, const uint16_t* panels, float* out,
-                   int64_t ldo, int64_t p0, int64_t p1, int64_t N) {
-  switch (mr) {
-    case 1: panels_for_rows<1>(x, K, panels, out, ldo, p0, p1, N); break;
-    case 2: panels_for_rows<2>(x, K, panels, out, ldo, p0, p1, N); break;
-    case 3: panels_for_rows<3>(x, K, panels, out, ldo, p0, p1, N); break;
-    case 4: panels_for_rows<4>(x, K, panels, out, ldo, p0, p1, N); break;
-    case 5: panels_for_rows<5>(x, K, panels, out, ldo, p0, p1, N); break;
-    default: panels_for_rows<6>(x, K, panels, out, ldo, p0, p1, N); break;
+// NP panels starting at p for all M rows, 6 rows at a time: the first group streams the
+// panels from memory (prefetching ahead), the others find them in cache. NP = 2 is for M <= 2
+// (two panels keep enough independent FMA chains in flight); more rows take one panel.
+template <int NP>
+void panels_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* panels, float* out,
+                     int64_t ldo, int64_t p, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += 6) {
+    const bool first = m0 == 0;
+    const float* xm = x + m0 * K;
+    float* om = out + m0 * ldo;
+    switch (std::min<int64_t>(6, M - m0)) {
+      case 1: group<1, NP>(first, xm, K, panels, om, ldo, p, N); break;
+      case 2: group<2, NP>(first, xm, K, panels, om, ldo, p, N); break;
+      case 3: group<3, 1>(first, xm, K, panels, om, ldo, p, N); break;
+      case 4: group<4, 1>(first, xm, K, panels, om, ldo, p, N); break;
+      case 5: group<5, 1>(first, xm, K, panels, om, ldo, p, N); break;
+      default: group<6, 1>(first, xm, K, panels, om, ldo, p, N); break;
+    }
   }
 }
 
@@ -120,18 +135,52 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
-  // Each thread owns a range of panels; every group of 6 rows sweeps that range while its
-  // panels are still in cache.
+  // Each thread owns a range of panels.
   at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 6) {
-      const int64_t mr = std::min<int64_t>(6, M - m0);
-      rows_dispatch(mr, xp + m0 * K, K, wp, op + m0 * N, N, p0, p1, N);
-    }
+    int64_t p = p0;
+    if (M <= 2)  // two panels at a time keep enough independent FMA chains in flight
+      for (; p + 2 <= p1; p += 2) panels_all_rows<2>(xp, M, K, wp, op, N, p, N);
+    for (; p < p1; ++p) panels_all_rows<1>(xp, M, K, wp, op, N, p, N);
   });
   return out;
 }
 
+// Reads every byte of a contiguous tensor with the kernel's access pattern (32-byte loads,
+// the same prefetch distance) and returns a checksum: the read bandwidth a decode step can
+// reach on this machine, against which benchmarks state the weight-read bound.
+int64_t read_stream(torch::Tensor t) {
+  TORCH_CHECK(t.is_contiguous(), "t must be contiguous");
+  const int64_t n = t.numel() * t.element_size() / 32;
+  const auto* base = reinterpret_cast<const __m256i*>(t.data_ptr());
+  std::vector<int64_t> sums(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 4096, [&](int64_t b0, int64_t b1) {
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    int64_t i = b0;
+    for (; i + 2 <= b1; i += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + i + kPrefetchRows), _MM_HINT_T0);
+      acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(base + i));
+      acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(base + i + 1));
+    }
+    if (i < b1) acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(base + i));
+    alignas(32) int64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(acc0, acc1));
+    sums[at::get_thread_num()] ^= lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+  });
+  int64_t out = 0;
+  for (int64_t s : sums) out ^= s;
+  return out;
+}
+
+// cpu_attention.cpp
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Tensor v_slots,
+                              torch::Tensor row_seq, torch::Tensor row_index,
+                              torch::Tensor kv_gather, torch::Tensor kv_lens,
+                              c10::optional<torch::Tensor> mask, double sm_scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
+  m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "float32 activations x packed bf16 weights (AVX2/FMA)");
 }

@@ -31,6 +31,8 @@ __all__ = [
 ]
 
 PANEL = 16
+# One extension: the bindings live in cpu_linear.cpp.
+_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp")
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -88,20 +90,24 @@ def _build_and_load() -> object:
 
     from specdec.paths import cache_root
 
-    # Build from a copy at a path keyed by the source's content: every checkout and virtual
-    # environment with the same kernel source and torch reuses one build (ninja would rebuild
-    # for a source at a new path), and a changed source gets a build of its own.
-    source = Path(__file__).with_name("cpu_linear.cpp")
-    code = source.read_bytes()
-    digest = hashlib.sha256(code).hexdigest()[:12]
-    build_dir = cache_root() / "torch_extensions" / f"cpu_linear-{torch.__version__}-{digest}"
+    # Build from copies at a path keyed by the sources' content: every checkout and virtual
+    # environment with the same kernel sources and torch reuses one build (ninja would rebuild
+    # for a source at a new path), and changed sources get a build of their own.
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    codes = [source.read_bytes() for source in sources]
+    digest = hashlib.sha256(b"".join(codes)).hexdigest()[:12]
+    build_dir = cache_root() / "torch_extensions" / f"cpu_kernels-{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    stable_source = build_dir / source.name
-    if not stable_source.is_file() or stable_source.read_bytes() != code:
-        stable_source.write_bytes(code)
+    stable = []
+    for source, code in zip(sources, codes):
+        copy = build_dir / source.name
+        if not copy.is_file() or copy.read_bytes() != code:
+            copy.write_bytes(code)
+        stable.append(str(copy))
     return cpp_extension.load(
-        name="specdec_cpu_linear",
-        sources=[str(stable_source)],
+        name="specdec_cpu_kernels",
+        sources=stable,
         extra_cflags=["-O3", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

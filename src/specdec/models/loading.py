@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specdec.kernels.cpu_linear import kernel_available
+from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
 from specdec.models.packed_cache import load_packed, packed_cache_file, save_packed
@@ -191,7 +192,7 @@ def load_model(
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
         if pack or (pack is None and should_pack(model)):
             pack_linears(model)
-        return model, hf_config, path
+        return _settled(model), hf_config, path
     hf_config = load_hf_config(path)
     cfg = ModelConfig.from_hf_config(hf_config)
     files = _safetensors_files(path)
@@ -202,13 +203,18 @@ def load_model(
     if cache_file is not None:
         cached = load_packed(cfg, cache_file, torch_device)
         if cached is not None:
-            return cached, hf_config, path
+            return _settled(cached), hf_config, path
     model = model_from_state_dict(cfg, _read_safetensors(files), dtype=torch_dtype, device=torch_device)
     if wants_pack:
         pack_linears(model)
         if cache_file is not None:
             save_packed(model, cache_file)
-    return model, hf_config, path
+    return _settled(model), hf_config, path
+
+
+def _settled(model: LlamaModel) -> LlamaModel:
+    """CPU weights move to huge pages (decode streams them all every step)."""
+    return move_to_hugepages(model) if model.device.type == "cpu" else model
 
 
 def gguf_load_kwargs(dtype: torch.dtype) -> dict[str, object]:

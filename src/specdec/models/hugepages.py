@@ -1,0 +1,90 @@
+"""Move a CPU model's weights into one huge-page-backed arena.
+
+A decode step streams every weight once, and with 4 KiB pages that stream takes a TLB miss
+every 4 KiB; Linux backs memory with 2 MiB pages only where asked (``transparent_hugepage`` is
+often ``madvise``). Measured on this project's CPU machine: the packed kernel reads 7-8% faster
+from a ``MADV_HUGEPAGE`` region (13.3 -> 14.3 GB/s, one thread, weights larger than the L3).
+Elsewhere (no ``madvise``, other systems) the arena is ordinary memory and nothing changes.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+from torch import nn
+
+__all__ = ["move_to_hugepages", "hugepage_buffer"]
+
+_HUGE = 2 << 20  # 2 MiB
+_ALIGN = 64  # every tensor starts on a cache line
+
+
+def hugepage_buffer(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, 2 MiB aligned
+    """Zeroed anonymous memory advised for transparent huge pages (kept alive by the tensor)."""
+    region = mmap.mmap(-1, nbytes + _HUGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # not supported here: ordinary pages
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _HUGE
+    return raw[skip : skip + nbytes]
+
+
+def move_to_hugepages(model: nn.Module, min_bytes: int = 1 << 20) -> nn.Module:
+    """Copy every CPU parameter and buffer of at least ``min_bytes`` into one arena, in place.
+
+    Tensors that share storage (tied embeddings) stay shared. Returns ``model``.
+    """
+    slots: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[nn.Module, str, bool]]] = {}
+    for module in model.modules():
+        for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
+            for name, t in tensors.items():
+                if t is None or t.device.type != "cpu" or t.numel() * t.element_size() < min_bytes:
+                    continue
+                if not t.is_contiguous():
+                    continue
+                key = (t.data_ptr(), t.dtype, tuple(t.shape))
+                slots.setdefault(key, []).append((module, name, is_param))
+    if not slots:
+        return model
+    sizes = [_nbytes(_get(*owners[0])) for owners in slots.values()]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    arena = hugepage_buffer(total)
+    for (owners, offset, size) in zip(slots.values(), offsets, sizes):
+        old = _get(*owners[0])
+        new = arena[offset : offset + size].view(old.dtype).view(old.shape)
+        new.copy_(old)
+        for module, name, is_param in owners:
+            if is_param:
+                module._parameters[name] = nn.Parameter(new, requires_grad=old.requires_grad)
+            else:
+                module._buffers[name] = new
+        del old
+    _retie(model)
+    return model
+
+
+def _get(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    return (module._parameters if is_param else module._buffers)[name]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _retie(model: nn.Module) -> None:
+    """Parameters shared by two modules must stay one Parameter object after the move."""
+    first: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            p0 = first.setdefault(p.data_ptr(), p)
+            if p0 is not p and p0.shape == p.shape and p0.dtype == p.dtype:
+                module._parameters[name] = p0

@@ -1,0 +1,44 @@
+"""Moving weights into the huge-page arena keeps every value, every tie and every output."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.models.hugepages import hugepage_buffer, move_to_hugepages
+
+
+def _tied_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(300, 64), nn.Linear(64, 64), nn.Linear(64, 300, bias=False))
+    model[2].weight = model[0].weight  # tied, as LM heads often are
+    model.register_buffer("table", torch.randn(128, 32))
+    return model
+
+
+def test_values_ties_and_outputs_survive_the_move():
+    model = _tied_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 300, (5,))
+    want = model(x)
+    move_to_hugepages(model, min_bytes=1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert model[2].weight is model[0].weight
+    assert torch.equal(model(x), want)
+    ptrs = sorted(t.data_ptr() for t in [*model.parameters(), *model.buffers()])
+    assert ptrs[-1] - ptrs[0] < 2 * sum(t.numel() * t.element_size() for t in model.parameters()) + 2**20
+
+
+def test_small_tensors_stay_where_they_are():
+    model = _tied_model()
+    bias = model[1].bias
+    move_to_hugepages(model)  # default: only tensors of 1 MiB or more
+    assert model[1].bias is bias
+
+
+def test_buffer_is_aligned_and_zeroed():
+    buf = hugepage_buffer(3 * 2**20 + 5)
+    assert buf.numel() == 3 * 2**20 + 5 and buf.dtype == torch.uint8
+    assert buf.data_ptr() % (2 << 20) == 0
+    assert int(buf.max()) == 0
