@@ -7,6 +7,7 @@ system generates exactly ``--max-new-tokens`` tokens from the same prompt token 
 outputs are checked token for token against specdec-plain (``matches_plain``).
 
     python -m benchmarks.harness                                  # the README table
+    python -m benchmarks.harness --preset cpu                     # the CPU speed table (issue 12)
     python -m benchmarks.harness --systems specdec-plain,specdec-draft --k 2,4,8 --num-prompts 5
     python -m benchmarks.plots benchmarks/results/harness-latest.json   # re-plot a result
 
@@ -14,12 +15,19 @@ Systems:
     specdec-plain   Generator without a proposer (the baseline every ratio refers to)
     specdec-draft   Generator + DraftModel(draft, k)
     specdec-draft-adaptive  the same with the default AdaptivePolicy (k at most the grid's k),
-                    built fresh for the run: it learns its costs from the warm-up on
+                    a fresh Generator at the start of every repeat: it learns its costs
+                    from that repeat's first prompt on (the warm-up does not teach it)
     specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
     specdec-mtp     Generator + MTPHead(--mtp-head, k)           (a head trained for --target)
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
+
+Per thread count (``--threads 1,2``) the run also measures the memory read bandwidth (before
+and after, the better of the two) and states the plain decoding bound: a batch-1 decode step
+reads every target weight once, so ``bandwidth / weight bytes`` steps per second at most.
+specdec-plain's decode rate (its time less a separately timed 1-token run of the same prompts,
+i.e. without the prefill) is reported as a fraction of that bound.
 
 Output: ``<out-dir>/<out>-<stamp>.json`` (+ ``<out>-latest.json``), three PNG plots next to
 it, and a markdown table on stdout.
@@ -120,10 +128,16 @@ class RunStats:
 
 
 class SpecdecRunner:
-    """Runs one specdec Generator (its own KV cache, a shared target model)."""
+    """Runs one specdec Generator (its own KV cache, a shared target model). With ``fresh``
+    (a function building the generator), every repeat starts from a new one."""
 
-    def __init__(self, gen) -> None:
+    def __init__(self, gen, fresh: Callable[[], object] | None = None) -> None:
         self.gen = gen
+        self.fresh = fresh
+
+    def start_repeat(self) -> None:
+        if self.fresh is not None:
+            self.gen = self.fresh()
 
     def run(
         self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int
@@ -183,6 +197,9 @@ class HFRunner:
         self.pad_id = pool.pad_token_id
         self.extra = extra
         self.prepare = prepare
+
+    def start_repeat(self) -> None:
+        """Nothing carries over between calls."""
 
     def run(
         self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int
@@ -308,12 +325,13 @@ def _specdec_draft(pool: ModelPool, k: int | None, *, adaptive: bool = False) ->
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
-    return SpecdecRunner(
-        pool.specdec_generator(
+    def build():
+        return pool.specdec_generator(
             DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k),
             policy=None if adaptive else FixedPolicy(k),
         )
-    )
+
+    return SpecdecRunner(build(), fresh=build if adaptive else None)
 
 
 def _specdec_lookup(pool: ModelPool, k: int | None) -> SpecdecRunner:
@@ -375,6 +393,7 @@ class System:
     plain: str
     twin: str | None = None
     max_batch_size: int | None = None  # transformers assisted generation is batch-1 only
+    largest_k_only: bool = False  # an adaptive policy: the grid's largest k is its upper bound
 
 
 SYSTEMS = {
@@ -399,6 +418,7 @@ SYSTEMS = {
             build=functools.partial(_specdec_draft, adaptive=True),
             speculative=True,
             plain=REFERENCE,
+            largest_k_only=True,
         ),
         System(
             name="specdec-lookup",
@@ -444,7 +464,7 @@ class HarnessConfig:
     repeats: int = 3
     warmup: int = 1
     warmup_tokens: int = 8
-    threads: int = 1
+    threads: tuple[int, ...] = (1,)
     dtype: str = "bfloat16"
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
@@ -464,7 +484,9 @@ class HarnessConfig:
             raise ValueError(
                 f"--prompt-sets: unknown {sorted(unknown)}; choose from {list(PROMPT_SETS)}"
             )
-        for name in ("num_prompts", "max_new_tokens", "repeats", "threads"):
+        if not self.threads or any(t < 1 for t in self.threads):
+            raise ValueError(f"--threads takes integers >= 1, got {self.threads}")
+        for name in ("num_prompts", "max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
@@ -486,7 +508,6 @@ def run_grid(cfg: HarnessConfig) -> dict:
     from specdec import CacheConfig
     from specdec.hub import resolve_model
 
-    torch.set_num_threads(cfg.threads)
     target_path, draft_path = resolve_model(cfg.target), resolve_model(cfg.draft)
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     prompts = {
@@ -503,18 +524,23 @@ def run_grid(cfg: HarnessConfig) -> dict:
     instances = [
         (SYSTEMS[name], k)
         for name in cfg.systems
-        for k in (cfg.ks if SYSTEMS[name].speculative else (None,))
+        for k in _ks(SYSTEMS[name], cfg.ks)
     ]
     runners = {}
     for system, k in instances:
         _log(f"building {system.name}" + (f" k={k}" if k else ""))
         runners[system.name, k] = system.build(pool, k)
 
-    runs, skipped = [], []
-    for set_name, temperature, batch in itertools.product(
-        cfg.prompt_sets, cfg.temperatures, cfg.batch_sizes
+    runs, skipped, bounds = [], [], []
+    for threads, set_name, temperature, batch in itertools.product(
+        cfg.threads, cfg.prompt_sets, cfg.temperatures, cfg.batch_sizes
     ):
-        group = dict(prompt_set=set_name, temperature=temperature, batch_size=batch)
+        torch.set_num_threads(threads)
+        if not bounds or bounds[-1]["threads"] != threads:
+            if bounds:
+                _close_bound(bounds[-1])
+            bounds.append(_open_bound(threads, pool))
+        group = dict(threads=threads, prompt_set=set_name, temperature=temperature, batch_size=batch)
         active = [
             (s, k) for s, k in instances if s.max_batch_size is None or batch <= s.max_batch_size
         ]
@@ -529,7 +555,10 @@ def run_grid(cfg: HarnessConfig) -> dict:
         runs += _run_group(
             cfg, group, [(s.name, k, runners[s.name, k]) for s, k in active], batches
         )
+    _close_bound(bounds[-1])
     _check_against_plain(runs)
+    summary = summarize(runs)
+    _rate_against_bounds(summary, bounds)
     return {
         "machine": machine_info(),
         "threads": cfg.threads,
@@ -540,9 +569,45 @@ def run_grid(cfg: HarnessConfig) -> dict:
                    "mtp_draft_vocab": cfg.mtp_draft_vocab},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
+        "bounds": bounds,
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": summary,
     }
+
+
+def _ks(system: System, ks: tuple[int, ...]) -> tuple[int | None, ...]:
+    if not system.speculative:
+        return (None,)
+    return (max(ks),) if system.largest_k_only else ks
+
+
+def _open_bound(threads: int, pool: ModelPool) -> dict:
+    from benchmarks.bandwidth import read_bandwidth, weight_bytes
+
+    target = pool.specdec_plain.engine.target
+    return {"threads": threads, "weight_bytes": weight_bytes(target), "bandwidth": [read_bandwidth()]}
+
+
+def _close_bound(bound: dict) -> None:
+    """Measure the bandwidth again after the runs and keep the better (the tighter bound)."""
+    from benchmarks.bandwidth import read_bandwidth
+
+    bound["bandwidth"].append(read_bandwidth())
+    best = max(bound["bandwidth"])
+    bound["read_bandwidth_gb_s"] = best / 1e9
+    bound["bound_decode_steps_per_s"] = best / bound["weight_bytes"]
+
+
+def _rate_against_bounds(summary: list[dict], bounds: list[dict]) -> None:
+    """specdec-plain's decode rate as a fraction of its weight-read bound (batch b: b tokens a
+    step)."""
+    by_threads = {b["threads"]: b for b in bounds}
+    for s in summary:
+        bound = by_threads.get(s["threads"])
+        if s.get("decode_tokens_per_s") is None or bound is None:
+            continue
+        s["bound_decode_tokens_per_s"] = bound["bound_decode_steps_per_s"] * s["batch_size"]
+        s["fraction_of_bound"] = s["decode_tokens_per_s"] / s["bound_decode_tokens_per_s"]
 
 
 def _run_group(cfg: HarnessConfig, group: dict, active: list, batches: list) -> list[dict]:
@@ -560,9 +625,15 @@ def _run_group(cfg: HarnessConfig, group: dict, active: list, batches: list) -> 
     runs = []
     for repeat in range(cfg.repeats):
         shift = repeat % len(active)
+        for _, _, runner in active:
+            runner.start_repeat()
         for b_index, prompt_batch in enumerate(batches):
             for name, k, runner in active[shift:] + active[:shift]:
                 row = _timed_run(runner, prompt_batch, cfg, temperature, b_index)
+                if name == REFERENCE:
+                    # The same prompts for one token: the prefill (and one step), timed apart so
+                    # the plain decode rate can be set against the weight-read bound.
+                    row["prefill_seconds"] = _timed_prefill(runner, prompt_batch, temperature, cfg.seed)
                 row.update(group, system=name, k=k, repeat=repeat)
                 _log(
                     f"{name:15s} k={k!s:4s} T={temperature:g} b={group['batch_size']} r={repeat} "
@@ -613,6 +684,13 @@ def _timed_run(
     }
 
 
+def _timed_prefill(runner, prompt_batch: list[Prompt], temperature: float, seed: int) -> float:
+    ids = [p.token_ids for p in prompt_batch]
+    start = time.perf_counter()
+    runner.run(ids, 1, temperature, seed)
+    return time.perf_counter() - start
+
+
 def _ratios(num: list[int] | None, den: list[int] | None) -> list[float] | None:
     if num is None or den is None:
         return None
@@ -629,7 +707,10 @@ def _check_against_plain(runs: list[dict]) -> None:
     """
 
     def key(r: dict) -> tuple:
-        return r["prompt_set"], r["temperature"], r["batch_size"], r["repeat"], r["prompt_id"]
+        return (
+            r.get("threads", 1), r["prompt_set"], r["temperature"], r["batch_size"], r["repeat"],
+            r["prompt_id"],
+        )
 
     outputs = {(key(r), r["system"]): r["output_token_ids"] for r in runs}
     for r in runs:
@@ -660,15 +741,15 @@ def summarize(runs: list[dict]) -> list[dict]:
     """
 
     def group_key(r: dict) -> tuple:
-        return r["prompt_set"], r["temperature"], r["batch_size"]
+        return r.get("threads", 1), r["prompt_set"], r["temperature"], r["batch_size"]
 
     rows = {}
     for r in runs:
         rows.setdefault((*group_key(r), r["system"], r["k"]), []).append(r)
     medians = {key: statistics.median(r["tokens_per_s"] for r in rs) for key, rs in rows.items()}
     out = []
-    for (set_name, temperature, batch, system, k), rs in rows.items():
-        g = (set_name, temperature, batch)
+    for (threads, set_name, temperature, batch, system, k), rs in rows.items():
+        g = (threads, set_name, temperature, batch)
         med = medians[g + (system, k)]
         plain = medians.get(g + (REFERENCE, None))
         hf_plain = medians.get(g + (HF_REFERENCE, None))
@@ -681,6 +762,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         acc_pos, draft_pos = _sum_positions(rs)
         out.append(
             {
+                "threads": threads,
                 "prompt_set": set_name,
                 "temperature": temperature,
                 "batch_size": batch,
@@ -706,10 +788,12 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "matches_plain": all(checked) if checked else None,
                 "num_mismatched_runs": checked.count(False),
                 "matches_own_plain": all(own) if own else None,
+                "decode_tokens_per_s": _decode_rate(rs),
             }
         )
     out.sort(
         key=lambda s: (
+            s["threads"],
             s["prompt_set"],
             s["temperature"],
             s["batch_size"],
@@ -718,6 +802,16 @@ def summarize(runs: list[dict]) -> list[dict]:
         )
     )
     return out
+
+
+def _decode_rate(rs: list[dict]) -> float | None:
+    """Median tokens/s after the first token (runs that timed their prefill apart)."""
+    rates = [
+        (r["num_new_tokens"] - len(r["prompt_tokens"])) / (r["seconds"] - r["prefill_seconds"])
+        for r in rs
+        if r.get("prefill_seconds") is not None and r["seconds"] > r["prefill_seconds"]
+    ]
+    return statistics.median(rates) if rates else None
 
 
 def _sum_positions(rs: list[dict]) -> tuple[list[int] | None, list[int] | None]:
@@ -733,6 +827,7 @@ def _sum_positions(rs: list[dict]) -> tuple[list[int] | None, list[int] | None]:
 
 
 TABLE_COLUMNS = (
+    "threads",
     "prompts",
     "T",
     "batch",
@@ -757,6 +852,7 @@ def markdown_table(summary: list[dict]) -> str:
     for s in summary:
         bad = s["matches_plain"] is False
         cells = [
+            str(s["threads"]),
             s["prompt_set"],
             f"{s['temperature']:g}",
             str(s["batch_size"]),
@@ -813,10 +909,35 @@ def _csv(cast):
     return lambda text: tuple(cast(x) for x in text.split(",") if x.strip())
 
 
+PRESETS = {
+    # Issue 12's table: every way to decode on the CPU, batch 1, one and two threads.
+    "cpu": dict(
+        systems=("specdec-plain", "specdec-draft", "specdec-draft-adaptive", "specdec-lookup",
+                 "hf-plain", "hf-assisted"),
+        ks=(1, 2, 3, 4, 5, 6),
+        threads=(1, 2),
+        num_prompts=10,
+        max_new_tokens=128,
+        repeats=1,
+    ),
+}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
-    d = HarnessConfig()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS))
+    known, _ = pre.parse_known_args(argv)
+    preset = dict(PRESETS.get(known.preset, {}))
+    d = HarnessConfig(**preset)
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="defaults for a named table (cpu: plain, draft k=1..6 and adaptive, lookup, "
+        "transformers plain and assisted; HumanEval 0-9 x 128 tokens; 1 and 2 threads; "
+        "add specdec-mtp with --systems and --mtp-head); other flags override them",
     )
     ap.add_argument(
         "--systems", type=_csv(str), default=d.systems, help=f"comma list of {','.join(SYSTEMS)}"
@@ -841,7 +962,9 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
         "--warmup", type=int, default=d.warmup, help="warm-up runs per system and group"
     )
     ap.add_argument("--warmup-tokens", type=int, default=d.warmup_tokens)
-    ap.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads")
+    ap.add_argument(
+        "--threads", type=_csv(int), default=d.threads, help="torch.set_num_threads, comma list"
+    )
     ap.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--target", default=d.target, help="known model name or HF directory")
     ap.add_argument("--draft", default=d.draft, help="known model name or HF directory")
@@ -851,15 +974,41 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument("--out", default=d.out, help="result name: <out-dir>/<out>-<stamp>.json")
     ap.add_argument("--out-dir", default=d.out_dir)
     ap.add_argument("--no-plots", dest="plots", action="store_false")
-    return HarnessConfig(**vars(ap.parse_args(argv)))
+    args = vars(ap.parse_args(argv))
+    args.pop("preset")
+    return HarnessConfig(**args)
+
+
+def bounds_markdown(bounds: list[dict], summary: list[dict]) -> str:
+    """One line per thread count: bandwidth, bound and specdec-plain's share of it."""
+    lines = []
+    for b in bounds:
+        plain = [
+            s for s in summary
+            if s["system"] == REFERENCE and s["threads"] == b["threads"] and s.get("fraction_of_bound")
+        ]
+        shares = ", ".join(
+            f"{s['prompt_set']} b={s['batch_size']}: plain decodes {s['decode_tokens_per_s']:.2f} tok/s "
+            f"= {s['fraction_of_bound']:.0%} of it"
+            for s in plain
+        )
+        lines.append(
+            f"- {b['threads']} thread(s): read bandwidth {b['read_bandwidth_gb_s']:.1f} GB/s, "
+            f"target weights {b['weight_bytes'] / 1e9:.2f} GB, bound "
+            f"{b['bound_decode_steps_per_s']:.2f} decode steps/s" + (f"; {shares}" if shares else "")
+        )
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:
     cfg = parse_args(argv)
     payload = run_grid(cfg)
     payload["markdown"] = markdown_table(payload["summary"])
+    payload["bounds_markdown"] = bounds_markdown(payload["bounds"], payload["summary"])
     path = write_json(cfg.out, payload, out_dir=cfg.out_dir)
     print(payload["markdown"])
+    print()
+    print(payload["bounds_markdown"])
     print(f"\nwrote {path}")
     if cfg.plots:
         from benchmarks.plots import plot_all

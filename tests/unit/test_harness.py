@@ -59,7 +59,7 @@ def test_writes_json_and_plots_into_out_dir(result):
     for name in ("tokens_per_s", "speedup_vs_k", "acceptance_per_position"):
         png = path.parent / f"{path.stem}-{name}.png"
         assert png.is_file() and png.stat().st_size > 1000
-    for key in ("machine", "threads", "dtype", "versions", "config", "runs", "summary", "markdown"):
+    for key in ("machine", "threads", "dtype", "versions", "config", "bounds", "runs", "summary", "markdown"):
         assert key in payload
     assert payload["dtype"] == "float32" and payload["config"]["max_new_tokens"] == 8
 
@@ -134,7 +134,7 @@ def test_table_strikes_out_speedups_that_changed_the_text():
     assert summary["hf-lookup"]["speedup_vs_hf_plain"] == pytest.approx(6.0)
     assert summary["specdec-lookup"]["vs_twin"] == pytest.approx(20 / 30)
     lines = {
-        line.split(" | ")[3]: line
+        line.split(" | ")[4]: line
         for line in harness.markdown_table(list(summary.values())).splitlines()[2:]
     }
     assert "~~2.00×~~" in lines["specdec-lookup"] and lines["specdec-lookup"].endswith("NO (1/1) |")
@@ -147,3 +147,38 @@ def test_bad_arguments_fail_before_any_work():
         harness.parse_args(["--systems", "specdec-plain,vllm"])
     with pytest.raises(ValueError, match="--repeats"):
         harness.parse_args(["--repeats", "0"])
+
+
+def test_plain_decoding_is_set_against_the_measured_bound(result):
+    _, payload = result
+    (bound,) = payload["bounds"]
+    assert bound["threads"] == 1 and len(bound["bandwidth"]) == 2  # before and after the runs
+    assert bound["read_bandwidth_gb_s"] > 0.5 and bound["weight_bytes"] > 0
+    plain = next(s for s in payload["summary"] if s["system"] == "specdec-plain")
+    # 7 tokens after the first, in less time than the whole run: faster than end to end
+    assert plain["decode_tokens_per_s"] > 0 and plain["fraction_of_bound"] > 0
+    assert "of it" in payload["bounds_markdown"]
+    for r in payload["runs"]:
+        assert (r.get("prefill_seconds") is not None) == (r["system"] == "specdec-plain")
+
+
+def test_cpu_preset_and_overrides():
+    cfg = harness.parse_args(["--preset", "cpu", "--repeats", "2"])
+    assert cfg.ks == (1, 2, 3, 4, 5, 6) and cfg.threads == (1, 2) and cfg.repeats == 2
+    assert cfg.num_prompts == 10 and cfg.max_new_tokens == 128
+    assert "specdec-draft-adaptive" in cfg.systems and "hf-assisted" in cfg.systems
+    assert harness._ks(harness.SYSTEMS["specdec-draft-adaptive"], cfg.ks) == (6,)
+    assert harness.parse_args(["--preset", "cpu", "--threads", "2"]).threads == (2,)
+    with pytest.raises(ValueError, match="--threads"):
+        harness.parse_args(["--threads", "0"])
+
+
+def test_adaptive_runner_starts_every_repeat_fresh():
+    built = []
+    runner = harness.SpecdecRunner("first", fresh=lambda: built.append(1) or f"gen{len(built)}")
+    runner.start_repeat()
+    runner.start_repeat()
+    assert runner.gen == "gen2" and len(built) == 2
+    fixed = harness.SpecdecRunner("fixed")
+    fixed.start_repeat()
+    assert fixed.gen == "fixed"
