@@ -83,3 +83,21 @@ def test_read_stream_reads_every_block(numel):
     assert kernel.read_stream(t) == want
     t.view(torch.int64)[-1] ^= 1
     assert kernel.read_stream(t) == want ^ 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_call_layer_rounds_like_the_torch_ops(x_dtype, out_dtype, with_bias):
+    """Bias and rounding done in C++ give bitwise what ``(x.float() @ W.T + b).to(dtype)``
+    gives in torch from the kernel's float32 product."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(53, 40, generator=g).to(torch.bfloat16)
+    x = torch.randn(6, 40, generator=g).to(x_dtype)
+    bias = torch.randn(53, generator=g) if with_bias else None
+    packed = pack_weight(w)
+    product = packed_linear(x.float(), packed, 53)
+    want = (product if bias is None else product + bias).to(out_dtype)
+    got = packed_linear(x, packed, 53, bias, out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want)

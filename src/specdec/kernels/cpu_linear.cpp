@@ -145,6 +145,23 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   return out;
 }
 
+// The whole layer in one call from Python (each Python-level op costs ~10-20 us, as much as
+// reading a small weight): x in float32 or bfloat16 ([M, K]), the optional float32 bias added
+// in float32, the result rounded to bfloat16 when asked, exactly as x.float() @ W.T + bias
+// followed by .to(torch.bfloat16) rounds.
+torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
+                                  c10::optional<torch::Tensor> bias, bool out_bf16) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
+  auto out = packed_bf16_linear(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32),
+                                packed, N);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
+                "bias must be float32 [out_features]");
+    out.add_(*bias);
+  }
+  return out_bf16 ? out.to(torch::kBFloat16) : out;
+}
+
 // Reads every byte of a contiguous tensor with the kernel's access pattern (32-byte loads,
 // the same prefetch distance) and returns a checksum: the read bandwidth a decode step can
 // reach on this machine, against which benchmarks state the weight-read bound.
@@ -180,6 +197,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Ten
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
+  m.def("packed_linear_layer", &packed_linear_layer,
+        "packed_bf16_linear + optional float32 bias + optional rounding to bfloat16");
   m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "float32 activations x packed bf16 weights (AVX2/FMA)");

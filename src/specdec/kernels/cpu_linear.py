@@ -123,9 +123,18 @@ def packed_linear(
     x: torch.Tensor,  # [rows, in_features]
     packed: torch.Tensor,  # [panels, in_features, 16] bfloat16
     out_features: int,
-) -> torch.Tensor:  # [rows, out_features] float32
-    """``x @ W.T`` in float32 through the kernel (the reference when it is unavailable)."""
+    bias: torch.Tensor | None = None,  # [out_features] float32
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [rows, out_features] out_dtype
+    """``x @ W.T (+ bias)`` in float32, rounded to ``out_dtype``, through the kernel (one call
+    from Python: bias and rounding happen in C++) or the reference when it is unavailable."""
     kernel = load_kernel()
-    if kernel is None:
-        return packed_linear_reference(x, packed, out_features)
-    return kernel.packed_bf16_linear(x.float().contiguous(), packed, out_features)
+    if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
+        out = packed_linear_reference(x, packed, out_features)
+        out = out if bias is None else out + bias
+        return out.to(out_dtype)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return kernel.packed_linear_layer(
+        x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16
+    )

@@ -33,10 +33,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         lead = x.shape[:-1]
-        out = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(self.out_dtype).view(*lead, self.out_features)
+        out = packed_linear(
+            x.reshape(-1, self.in_features), self.packed, self.out_features, self.bias, self.out_dtype
+        )
+        return out.view(*lead, self.out_features)
 
 
 def should_pack(model: nn.Module) -> bool:
