@@ -264,6 +264,7 @@ class ModelPool:
         self.draft_path = draft
         self.mtp_head = mtp_head
         self.mtp_draft_vocab: int | None = None
+        self.draft_quantization: str | None = None
         self.dtype = dtype
         self.cache_config = cache_config
         self.tokenizer = tokenizer
@@ -280,7 +281,9 @@ class ModelPool:
     def specdec_draft_model(self):
         from specdec.proposers import DraftModel
 
-        return DraftModel.from_pretrained(self.draft_path, dtype=self.dtype).model
+        return DraftModel.from_pretrained(
+            self.draft_path, dtype=self.dtype, quantization=self.draft_quantization
+        ).model
 
     def specdec_generator(self, proposer, policy=None):
         """A generator on the shared target with ``proposer`` (``None``: plain), its own KV and
@@ -468,6 +471,7 @@ class HarnessConfig:
     dtype: str = "bfloat16"
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
+    draft_quantization: str | None = None  # "int8": the draft's linear layers as int8
     mtp_head: str | None = None
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
     seed: int = 0
@@ -520,6 +524,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     )
     mtp_head = Path(cfg.mtp_head) if cfg.mtp_head else None
     pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer, mtp_head)
+    pool.draft_quantization = cfg.draft_quantization
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
     instances = [
         (SYSTEMS[name], k)
@@ -565,7 +570,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "dtype": cfg.dtype,
         "versions": _versions(),
         "config": attrs.asdict(cfg),
-        "models": {"target": str(target_path), "draft": str(draft_path), "mtp_head": cfg.mtp_head,
+        "models": {"target": str(target_path), "draft": str(draft_path),
+                   "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
                    "mtp_draft_vocab": cfg.mtp_draft_vocab},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
@@ -916,6 +922,7 @@ PRESETS = {
                  "hf-plain", "hf-assisted"),
         ks=(1, 2, 3, 4, 5, 6),
         threads=(1, 2),
+        draft_quantization="int8",
         num_prompts=10,
         max_new_tokens=128,
         repeats=1,
@@ -935,7 +942,7 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="defaults for a named table (cpu: plain, draft k=1..6 and adaptive, lookup, "
+        help="defaults for a named table (cpu: plain, int8 draft k=1..6 and adaptive, lookup, "
         "transformers plain and assisted; HumanEval 0-9 x 128 tokens; 1 and 2 threads; "
         "add specdec-mtp with --systems and --mtp-head); other flags override them",
     )
@@ -968,6 +975,10 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument("--dtype", default=d.dtype, choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--target", default=d.target, help="known model name or HF directory")
     ap.add_argument("--draft", default=d.draft, help="known model name or HF directory")
+    ap.add_argument(
+        "--draft-quantization", choices=("int8",), default=d.draft_quantization,
+        help="specdec draft systems: the draft's linear layers as int8",
+    )
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
     ap.add_argument("--seed", type=int, default=d.seed)

@@ -1,7 +1,7 @@
 """Where the time of a decode step goes: per model, per pass width, per kind of work.
 
 Runs greedy generation (batch 1, HumanEval prompts) plain and with the draft model at a fixed
-k, with timers wrapped around the model's parts (this script patches classes in its own
+k (its linear layers in bf16, and in int8), with timers wrapped around the model's parts (this script patches classes in its own
 process only), and reports milliseconds per forward for each (model, rows) pass:
 
 - ``linear``: the projections and the LM head (packed kernel or ``nn.Linear``),
@@ -43,6 +43,7 @@ class Profiler:
         self.forward_time = 0.0
         self._model: tuple[str, int] | None = None
         self._pending_plan = 0.0
+        self._inside: set[str] = set()
         self._names: dict[int, str] = {}
 
     def name(self, model, label: str) -> None:
@@ -50,16 +51,21 @@ class Profiler:
 
     @contextlib.contextmanager
     def installed(self):
+        from specdec.attention.cpu_backend import CpuAttentionBackend
         from specdec.attention.torch_backend import TorchAttentionBackend
         from specdec.engine import Engine
         from specdec.models import llama
         from specdec.models.packed import PackedLinear
+        from specdec.models.quantized import Int8Linear
 
         patches = [
             (PackedLinear, "forward", self._part("linear")),
+            (Int8Linear, "forward", self._part("linear")),
             (torch.nn.Linear, "forward", self._part("linear")),
             (TorchAttentionBackend, "run", self._part("attention")),
             (TorchAttentionBackend, "plan", self._part("plan")),
+            (CpuAttentionBackend, "run", self._part("attention")),
+            (CpuAttentionBackend, "plan", self._part("plan")),
             (llama.RMSNorm, "forward", self._part("norm")),
             (llama, "apply_rope", self._part("rope")),
             (llama.LlamaModel, "rope", self._part("rope")),
@@ -78,10 +84,14 @@ class Profiler:
     def _part(self, part: str):
         def make(fn):
             def wrapped(*args, **kwargs):
+                if part in self._inside:  # a subclass calling its base: timed once, outside
+                    return fn(*args, **kwargs)
+                self._inside.add(part)
                 start = time.perf_counter()
                 try:
                     return fn(*args, **kwargs)
                 finally:
+                    self._inside.discard(part)
                     # plan runs before the model's forward (outside it): charge the model that runs next
                     if self._model is not None:
                         self.totals[(*self._model, part)] += time.perf_counter() - start
@@ -145,22 +155,29 @@ def run(target: str, draft: str, threads: int, k: int, tokens: int, prompts: int
 
     torch.set_num_threads(threads)
     plain = Generator.from_pretrained(resolve_model(target))
-    drafter = DraftModel.from_pretrained(resolve_model(draft), num_speculative_tokens=k)
-    spec = plain.with_proposer(drafter, policy=FixedPolicy(k))
+    drafters = {
+        "draft": DraftModel.from_pretrained(resolve_model(draft), num_speculative_tokens=k),
+        "draft-int8": DraftModel.from_pretrained(
+            resolve_model(draft), num_speculative_tokens=k, quantization="int8"
+        ),
+    }
+    gens = {"plain": plain} | {
+        f"{name}-k{k}": plain.with_proposer(d, policy=FixedPolicy(k)) for name, d in drafters.items()
+    }
     bandwidth = read_bandwidth()
-    bounds = {
-        "target": weight_bytes(plain.engine.target) / bandwidth,
-        "draft": weight_bytes(drafter.model) / bandwidth,
+    bounds = {"target": weight_bytes(plain.engine.target) / bandwidth} | {
+        name: weight_bytes(d.model) / bandwidth for name, d in drafters.items()
     }
     texts = humaneval_prompts(prompts)
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    plain.generate(texts[0], SamplingParams(max_new_tokens=4))  # warm-up
-    spec.generate(texts[0], SamplingParams(max_new_tokens=4))
+    for gen in gens.values():
+        gen.generate(texts[0], SamplingParams(max_new_tokens=4))  # warm-up
     report = {}
-    for label, gen in (("plain", plain), (f"draft-k{k}", spec)):
+    for label, gen in gens.items():
         prof = Profiler()
         prof.name(plain.engine.target, "target")
-        prof.name(drafter.model, "draft")
+        for name, d in drafters.items():
+            prof.name(d.model, name)
         with prof.installed():
             start = time.perf_counter()
             n = sum(len(gen.generate(t, params).token_ids) for t in texts)

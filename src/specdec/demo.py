@@ -32,7 +32,6 @@ def _stamp(label: str, start: float, timings: dict[str, float]) -> float:
 def run_demo(args: argparse.Namespace) -> int:
     from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
     from specdec.hub import DEFAULT_DRAFT, DEFAULT_TARGET, resolve_model
-    from specdec.models.loading import load_model
     from specdec.proposers import DraftModel
 
     timings: dict[str, float] = {}
@@ -44,7 +43,9 @@ def run_demo(args: argparse.Namespace) -> int:
     start = _stamp("fetch or find cached models", start, timings)
     cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
     plain = Generator.from_pretrained(target_path, dtype=args.dtype, cache_config=cache)
-    draft, _, _ = load_model(draft_path, dtype=args.dtype)
+    quantization = getattr(args, "draft_quantization", "int8")
+    quantization = None if quantization == "none" else quantization
+    draft = DraftModel.from_pretrained(draft_path, dtype=args.dtype, quantization=quantization).model
     # A fixed k by default: a one-shot demo of a few requests is where the adaptive policy knows
     # least (it starts without cost measurements; see docs/concepts.md, "Choosing k").
     policy = None if getattr(args, "adaptive", False) else FixedPolicy(k)
@@ -82,8 +83,9 @@ def run_demo(args: argparse.Namespace) -> int:
     m = spec.metrics
     print("=" * 72)
     mode = "adaptive, at most" if policy is None else "fixed"
-    print(f"target {target_path.name}, draft {draft_path.name}, k={k} ({mode}), {args.dtype}, "
-          f"{torch.get_num_threads()} threads")
+    weights = f"{quantization} draft weights" if quantization else f"{args.dtype} draft weights"
+    print(f"target {target_path.name}, draft {draft_path.name} ({weights}), k={k} ({mode}), "
+          f"{args.dtype}, {torch.get_num_threads()} threads")
     print(f"plain decoding       {plain_tps:6.2f} tokens/s")
     print(f"speculative decoding {spec_tps:6.2f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
     print(f"acceptance rate {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}, "

@@ -245,3 +245,50 @@ def test_stop_token_inside_an_accepted_draft(stories_path, stop, mode):
     assert last.speculative and last.num_drafted == (K_STOP,) and last.num_accepted == (K_STOP,)
     assert 1 < len(last.new_token_ids[0]) < K_STOP
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_int8_draft_changes_proposals_not_output(stories_path, temperature):
+    """An int8 draft (a perturbed copy of the target, so that it is often wrong) leaves the
+    output the plain target's: greedy token for token, and with a seed the same sample."""
+    from specdec.models.quantized import quantize_linears
+
+    target, _, _ = load_model(stories_path, dtype="bfloat16")
+    draft, _, _ = load_model(stories_path, dtype="bfloat16", pack=False)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn_like(p))
+    quantize_linears(draft)
+    prompts = [[1, 403, 407, 261, 378], [1, 365, 263]]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, temperature=temperature, seed=11)
+    plain = Generator.from_components(target).generate(prompts, params)
+    gen = Generator.from_components(
+        target, proposer=DraftModel.from_model(draft, num_speculative_tokens=4), policy=FixedPolicy(4)
+    )
+    spec = gen.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert 0 < gen.metrics.num_accepted < gen.metrics.num_drafted
+
+
+@pytest.mark.usefixtures("kernel")
+def test_int8_draft_from_pretrained_is_quantized(stories_path):
+    from specdec.models.quantized import Int8Linear
+
+    bf16 = DraftModel.from_pretrained(stories_path)
+    int8 = DraftModel.from_pretrained(stories_path, quantization="int8")
+    layers = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 4 * int8.model.config.num_layers + 1  # qkv, o, gate_up, down; head
+    prompt = [[1, 403, 407, 261, 378]]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    target, _, _ = load_model(stories_path, dtype="bfloat16")
+    outs = [
+        Generator.from_components(target, proposer=d, policy=FixedPolicy(4)).generate(prompt, params)[0]
+        for d in (bf16, int8)
+    ]
+    assert outs[0].token_ids == outs[1].token_ids
+
+
+def test_int8_draft_rejects_bad_quantization(stories_path):
+    with pytest.raises(ValueError, match="quantization must be None or 'int8', got 'int4'"):
+        DraftModel.from_pretrained(stories_path, quantization="int4")

@@ -20,6 +20,7 @@ from specdec.kernels.cpu_linear import kernel_available
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_FILES = (
     "specdec/kernels/cpu_linear.cpp",
+    "specdec/kernels/cpu_attention.cpp",
     "specdec/data/stories260K/model.safetensors",
     "specdec/data/stories260K/tokenizer.json",
     "specdec/data/stories260K-mtp/model.safetensors",

@@ -1,0 +1,90 @@
+"""Weight-only int8 layers: the kernel against its reference, rows independent of the row
+count, quantization within its error bound, and an int8 draft that leaves output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.kernels.cpu_int8 import int8_linear, int8_linear_reference, pack_int8, quantize_int8, unpack_int8
+from specdec.models.quantized import Int8Linear, quantize_linears
+
+needs_kernel = pytest.mark.usefixtures("kernel")
+
+
+def _weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=g) * torch.rand(out_features, 1, generator=g)
+
+
+def test_quantization_error_is_at_most_half_a_step():
+    w = _weight(37, 50, 0)
+    w[3] = 0.0  # an all-zero row stays exactly zero
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    assert bool((q[3] == 0).all())
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (37, 24), (5, 3)])
+def test_pack_roundtrip(shape):
+    q, scale = quantize_int8(_weight(*shape, 1))
+    packed, padded = pack_int8(q, scale)
+    assert packed.shape == (-(-shape[0] // 16), shape[1], 16) and padded.numel() == packed.shape[0] * 16
+    assert torch.equal(unpack_int8(packed, shape[0]), q)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13])
+@pytest.mark.parametrize("out_features", [16, 37, 100])
+def test_kernel_matches_reference(rows, out_features):
+    g = torch.Generator().manual_seed(rows * 100 + out_features)
+    packed, scale = pack_int8(*quantize_int8(_weight(out_features, 72, rows)))
+    x = torch.randn(rows, 72, generator=g)
+    torch.testing.assert_close(
+        int8_linear(x, packed, scale, out_features),
+        int8_linear_reference(x, packed, scale, out_features),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+
+
+@needs_kernel
+def test_rows_are_batch_invariant():
+    """Bitwise: a row's result does not depend on how many rows share the call."""
+    packed, scale = pack_int8(*quantize_int8(_weight(70, 96, 2)))
+    x = torch.randn(11, 96).to(torch.bfloat16)
+    together = int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16)
+    for i in range(11):
+        assert torch.equal(int8_linear(x[i : i + 1], packed, scale, 70, out_dtype=torch.bfloat16), together[i : i + 1])
+
+
+@needs_kernel
+def test_negative_control_a_per_call_scale_breaks_batch_invariance():
+    """The invariance test above would catch a kernel whose arithmetic depends on the call's
+    rows: rounding activations to a scale shared by the rows of a call (as dynamic activation
+    quantization does) changes a row's result when other rows join."""
+    packed, scale = pack_int8(*quantize_int8(_weight(70, 96, 2)))
+    x = torch.randn(11, 96)
+
+    def shared_scale_linear(rows: torch.Tensor) -> torch.Tensor:
+        step = rows.abs().max() / 127
+        return int8_linear(torch.round(rows / step) * step, packed, scale, 70)
+
+    together = shared_scale_linear(x)
+    assert any(not torch.equal(shared_scale_linear(x[i : i + 1]), together[i : i + 1]) for i in range(11))
+
+
+def test_quantize_linears_replaces_every_linear_and_keeps_outputs_close():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 32, bias=False))
+    x = torch.randn(5, 64)
+    want = model(x)
+    quantize_linears(model)
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2], Int8Linear)
+    got = model(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
+    assert model[0].dequantized().shape == (128, 64)
