@@ -307,7 +307,17 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Ten
                               torch::Tensor kv_gather, torch::Tensor kv_lens,
                               c10::optional<torch::Tensor> mask, double sm_scale);
 
+// cpu_layer_ops.cpp
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps);
+std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                   int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm (see cpu_layer_ops.cpp)");
+  m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
+  m.def("silu_mul", &silu_mul, "bf16 silu(gate) * up");
   m.def("paged_attention", &paged_attention,
         "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
   m.def("packed_linear_layer", &packed_linear_layer,

@@ -32,7 +32,7 @@ __all__ = [
 
 PANEL = 16
 # One extension: the bindings live in cpu_linear.cpp.
-_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp")
+_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)

@@ -159,6 +159,15 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
+def _fused_ops(embeds: torch.Tensor) -> object | None:
+    """The CPU kernel module when its fused bf16 layer ops apply to this forward, else None."""
+    if embeds.dtype != torch.bfloat16 or embeds.device.type != "cpu" or embeds.dim() != 2:
+        return None
+    from specdec.kernels.cpu_linear import load_kernel
+
+    return load_kernel()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -274,10 +283,33 @@ class LlamaModel(nn.Module):
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden], last layer output before the final norm
         cos, sin = self.rope(positions)
+        ops = _fused_ops(embeds)
+        if ops is not None:
+            return self._fused_hidden_states(ops, embeds, cos, sin, kv, backend, plan)
         h = embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv.layer(i), backend, plan)
         return h
+
+    def _fused_hidden_states(self, ops, h, cos, sin, kv, backend, plan) -> torch.Tensor:
+        """:meth:`hidden_states` for bf16 on CPUs with the kernel's fused small ops (see
+        ``kernels/cpu_layer_ops.cpp``): one call each for residual add + RMSNorm, RoPE of q
+        and k, and SiLU-and-multiply, where the plain path takes ~55 tensor ops a layer. The
+        residual of each sub-block is added by the next norm (``delta``)."""
+        n = h.shape[0]
+        cos, sin = cos.view(n, -1), sin.view(n, -1)  # [num_tokens, head_dim]
+        delta = None  # [num_tokens, hidden] still to be added to h
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            h, x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps)
+            qkv = attn.qkv_proj(x)  # [num_tokens, (Hq + 2 Hkv) * D]
+            q, k = ops.rope_qk(qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+            v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
+            out = backend.run(plan, q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
+            h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(n, attn.q_size)), norm2.weight, norm2.eps)
+            delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
+        return h if delta is None else h + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept)."""
