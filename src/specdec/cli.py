@@ -107,7 +107,13 @@ def _parser() -> argparse.ArgumentParser:
         "token; the output is the target's either way) or as --dtype",
     )
     _add_threads_arg(demo)
-    demo.add_argument("--adaptive", action="store_true", help="adaptive k (at most -k) instead of a fixed k")
+    demo.add_argument(
+        "--policy",
+        choices=("adaptive", "fixed"),
+        default="adaptive",
+        help="adaptive: k per request and step, at most -k (default 6); fixed: always -k "
+        "(default 4)",
+    )
 
     mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
     mtp.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
