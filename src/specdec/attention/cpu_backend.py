@@ -21,7 +21,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specdec.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan
+from specdec.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan, write_kv
 from specdec.interfaces import AttentionSpec
 from specdec.kernels.cpu_linear import load_kernel
 from specdec.types import BatchLayout
@@ -75,11 +75,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if kernel is None or not _kernel_applies(q, k_pages):
             return super().run(plan.torch_plan, q, k, v, k_pages, v_pages)
         tp = plan.torch_plan
-        spec = tp.spec
-        k_slots = k_pages.view(-1, spec.num_kv_heads, spec.head_dim)  # [num_slots, Hkv, D]
-        v_slots = v_pages.view(-1, spec.num_kv_heads, spec.head_dim)
-        k_slots.index_copy_(0, tp.slot_mapping, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, tp.slot_mapping, v.to(v_slots.dtype))
+        k_slots, v_slots = write_kv(tp, k, v, k_pages, v_pages)  # [num_slots, Hkv, D]
         return kernel.paged_attention(
             q.contiguous(),
             k_slots,
@@ -89,7 +85,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             tp.kv_gather,
             plan.kv_lens,
             tp.mask,
-            spec.sm_scale,
+            tp.spec.sm_scale,
         )
 
 

@@ -117,10 +117,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_qo_heads, head_dim]
         """Write the new rows' K/V into the pages, then attend over the visible slots."""
         spec = plan.spec
-        k_slots = k_pages.view(-1, spec.num_kv_heads, spec.head_dim)  # [num_slots, Hkv, D]
-        v_slots = v_pages.view(-1, spec.num_kv_heads, spec.head_dim)
-        k_slots.index_copy_(0, plan.slot_mapping, k.to(k_slots.dtype))
-        v_slots.index_copy_(0, plan.slot_mapping, v.to(v_slots.dtype))
+        k_slots, v_slots = write_kv(plan, k, v, k_pages, v_pages)
 
         batch, max_q = plan.batch_size, plan.max_q
         keys = k_slots[plan.kv_gather].transpose(1, 2)  # [batch, Hkv, max_kv, D]
@@ -148,6 +145,22 @@ class TorchAttentionBackend:
         )
         out = out.to(q.dtype).transpose(1, 2).reshape(batch * max_q, spec.num_qo_heads, spec.head_dim)
         return out if plan.q_scatter is None else out[plan.q_scatter]
+
+
+def write_kv(
+    plan: TorchAttentionPlan,
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_pages: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # k, v slots [num_slots, num_kv_heads, head_dim]
+    """Write the new rows' K/V at ``plan.slot_mapping``; return the pages as flat slot views."""
+    spec = plan.spec
+    k_slots = k_pages.view(-1, spec.num_kv_heads, spec.head_dim)
+    v_slots = v_pages.view(-1, spec.num_kv_heads, spec.head_dim)
+    k_slots.index_copy_(0, plan.slot_mapping, k.to(k_slots.dtype))
+    v_slots.index_copy_(0, plan.slot_mapping, v.to(v_slots.dtype))
+    return k_slots, v_slots
 
 
 def _split_tree_mask(layout: BatchLayout) -> list[torch.Tensor | None]:
