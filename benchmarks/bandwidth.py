@@ -18,28 +18,40 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["read_bandwidth", "weight_bytes", "decode_bound_s"]
+__all__ = ["BandwidthProbe", "read_bandwidth", "weight_bytes", "decode_bound_s"]
+
+
+class BandwidthProbe:
+    """Reads one buffer again and again: the read bandwidth *now*, for pairing with a timing
+    taken right next to it (the machine's bandwidth drifts by 10-30% within minutes)."""
+
+    def __init__(self, gib: float = 1.0) -> None:
+        from specdec.kernels.cpu_linear import load_kernel
+        from specdec.models.hugepages import hugepage_buffer
+
+        # Same memory as the weights: huge pages where the system gives them (see models/hugepages).
+        self.buf = hugepage_buffer(int(gib * 2**30)).view(torch.float32).fill_(1.0)
+        self.readers = [self.buf.sum]
+        kernel = load_kernel()
+        if kernel is not None:
+            self.readers.append(lambda: kernel.read_stream(self.buf))
+        for read in self.readers:
+            read()  # fault the pages in, warm the code
+
+    def __call__(self, repeats: int = 5) -> float:
+        """Bytes per second: best reader, best of ``repeats``, at the current thread count."""
+        best = float("inf")
+        for read in self.readers:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                read()
+                best = min(best, time.perf_counter() - start)
+        return self.buf.numel() * 4 / best
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes per second read from a ``gib`` GiB buffer: best reader, best of ``repeats``."""
-    from specdec.kernels.cpu_linear import load_kernel
-    from specdec.models.hugepages import hugepage_buffer
-
-    # Same memory as the weights: huge pages where the system gives them (see models/hugepages).
-    buf = hugepage_buffer(int(gib * 2**30)).view(torch.float32).fill_(1.0)
-    readers = [buf.sum]
-    kernel = load_kernel()
-    if kernel is not None:
-        readers.append(lambda: kernel.read_stream(buf))
-    best = float("inf")
-    for read in readers:
-        read()  # fault the pages in, warm the code
-        for _ in range(repeats):
-            start = time.perf_counter()
-            read()
-            best = min(best, time.perf_counter() - start)
-    return buf.numel() * 4 / best
+    return BandwidthProbe(gib)(repeats)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -14,6 +14,8 @@ outputs are checked token for token against specdec-plain (``matches_plain``).
 Systems:
     specdec-plain   Generator without a proposer (the baseline every ratio refers to)
     specdec-draft   Generator + DraftModel(draft, k)
+    specdec-draft-unquantized  the same with the draft's weights in --dtype even when
+                    --draft-quantization is set (int8 against bf16 drafting in one run)
     specdec-draft-adaptive  the same with the default AdaptivePolicy (k at most the grid's k),
                     a fresh Generator at the start of every repeat: it learns its costs
                     from that repeat's first prompt on (the warm-up does not teach it)
@@ -27,7 +29,9 @@ Per thread count (``--threads 1,2``) the run also measures the memory read bandw
 and after, the better of the two) and states the plain decoding bound: a batch-1 decode step
 reads every target weight once, so ``bandwidth / weight bytes`` steps per second at most.
 specdec-plain's decode rate (its time less a separately timed 1-token run of the same prompts,
-i.e. without the prefill) is reported as a fraction of that bound.
+i.e. without the prefill) is reported as a fraction of that bound, and as a fraction of the
+bound at the bandwidth probed right before and after each of its runs (the better probe), which
+the machine's drift over a long run does not skew.
 
 Output: ``<out-dir>/<out>-<stamp>.json`` (+ ``<out>-latest.json``), three PNG plots next to
 it, and a markdown table on stdout.
@@ -265,6 +269,7 @@ class ModelPool:
         self.mtp_head = mtp_head
         self.mtp_draft_vocab: int | None = None
         self.draft_quantization: str | None = None
+        self._drafts: dict[str | None, object] = {}
         self.dtype = dtype
         self.cache_config = cache_config
         self.tokenizer = tokenizer
@@ -277,13 +282,20 @@ class ModelPool:
             self.target_path, dtype=self.dtype, cache_config=self.cache_config
         )
 
-    @functools.cached_property
+    @property
     def specdec_draft_model(self):
+        return self.draft_model(self.draft_quantization)
+
+    def draft_model(self, quantization: str | None):
+        """The specdec draft ``LlamaModel`` with ``quantization`` (``None``: ``dtype`` weights),
+        loaded once."""
         from specdec.proposers import DraftModel
 
-        return DraftModel.from_pretrained(
-            self.draft_path, dtype=self.dtype, quantization=self.draft_quantization
-        ).model
+        if quantization not in self._drafts:
+            self._drafts[quantization] = DraftModel.from_pretrained(
+                self.draft_path, dtype=self.dtype, quantization=quantization
+            ).model
+        return self._drafts[quantization]
 
     def specdec_generator(self, proposer, policy=None):
         """A generator on the shared target with ``proposer`` (``None``: plain), its own KV and
@@ -324,13 +336,17 @@ def _specdec_plain(pool: ModelPool, k: int | None) -> SpecdecRunner:
 # The grid's k is a fixed k (FixedPolicy): this harness compares speculation at a known k with
 # transformers' at the same k; specdec-draft-adaptive lets the adaptive policy choose up to k
 # (benchmarks/throughput.py measures it across batch sizes).
-def _specdec_draft(pool: ModelPool, k: int | None, *, adaptive: bool = False) -> SpecdecRunner:
+def _specdec_draft(
+    pool: ModelPool, k: int | None, *, adaptive: bool = False, unquantized: bool = False
+) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
+    model = pool.draft_model(None) if unquantized else pool.specdec_draft_model
+
     def build():
         return pool.specdec_generator(
-            DraftModel.from_model(pool.specdec_draft_model, num_speculative_tokens=k),
+            DraftModel.from_model(model, num_speculative_tokens=k),
             policy=None if adaptive else FixedPolicy(k),
         )
 
@@ -417,6 +433,13 @@ SYSTEMS = {
             twin="hf-assisted",
         ),
         System(
+            # The draft's weights in --dtype even when --draft-quantization is set.
+            name="specdec-draft-unquantized",
+            build=functools.partial(_specdec_draft, unquantized=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
+        System(
             name="specdec-draft-adaptive",
             build=functools.partial(_specdec_draft, adaptive=True),
             speculative=True,
@@ -456,7 +479,9 @@ SYSTEMS = {
 class HarnessConfig:
     # The README table; specdec-mtp needs --mtp-head.
     systems: tuple[str, ...] = tuple(
-        n for n in SYSTEMS if n not in ("specdec-mtp", "specdec-draft-adaptive")
+        n
+        for n in SYSTEMS
+        if n not in ("specdec-mtp", "specdec-draft-adaptive", "specdec-draft-unquantized")
     )
     prompt_sets: tuple[str, ...] = ("humaneval",)
     num_prompts: int = 10
@@ -472,6 +497,8 @@ class HarnessConfig:
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
     draft_quantization: str | None = None  # "int8": the draft's linear layers as int8
+    # Per-system k lists that replace ``ks`` (e.g. one k for transformers' slower systems).
+    system_ks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     mtp_head: str | None = None
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
     seed: int = 0
@@ -499,6 +526,12 @@ class HarnessConfig:
             raise ValueError("--k and --batch-sizes take integers >= 1")
         if any(t < 0 for t in self.temperatures):
             raise ValueError("--temperatures must be >= 0")
+        for name, ks in self.system_ks.items():
+            if name not in SYSTEMS or not SYSTEMS[name].speculative:
+                speculative = [n for n, s in SYSTEMS.items() if s.speculative]
+                raise ValueError(f"--system-ks: {name!r} is not one of {speculative}")
+            if not ks or any(k < 1 for k in ks):
+                raise ValueError(f"--system-ks: {name} needs integers >= 1, got {ks}")
 
 
 def _log(msg: str) -> None:
@@ -529,7 +562,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     instances = [
         (SYSTEMS[name], k)
         for name in cfg.systems
-        for k in _ks(SYSTEMS[name], cfg.ks)
+        for k in _ks(SYSTEMS[name], cfg.system_ks.get(name, cfg.ks))
     ]
     runners = {}
     for system, k in instances:
@@ -594,6 +627,18 @@ def _open_bound(threads: int, pool: ModelPool) -> dict:
     return {"threads": threads, "weight_bytes": weight_bytes(target), "bandwidth": [read_bandwidth()]}
 
 
+# A smaller buffer for the probes around every specdec-plain run (each ~0.3 s): still 10x the
+# last-level cache, so it measures memory, not cache.
+PROBE_GIB = 0.5
+
+
+@functools.cache
+def _probe():
+    from benchmarks.bandwidth import BandwidthProbe
+
+    return BandwidthProbe(PROBE_GIB)
+
+
 def _close_bound(bound: dict) -> None:
     """Measure the bandwidth again after the runs and keep the better (the tighter bound)."""
     from benchmarks.bandwidth import read_bandwidth
@@ -610,10 +655,16 @@ def _rate_against_bounds(summary: list[dict], bounds: list[dict]) -> None:
     by_threads = {b["threads"]: b for b in bounds}
     for s in summary:
         bound = by_threads.get(s["threads"])
+        pairs = s.pop("paired_decode_bound_seconds", None)
         if s.get("decode_tokens_per_s") is None or bound is None:
             continue
         s["bound_decode_tokens_per_s"] = bound["bound_decode_steps_per_s"] * s["batch_size"]
         s["fraction_of_bound"] = s["decode_tokens_per_s"] / s["bound_decode_tokens_per_s"]
+        if pairs:
+            # Each run against the bandwidth probed right next to it: decode steps x weight
+            # bytes / bandwidth = the time reading the weights once per step would take.
+            bound_s = sum(b for _, b in pairs) * bound["weight_bytes"]
+            s["fraction_of_paired_bound"] = bound_s / sum(d for d, _ in pairs)
 
 
 def _run_group(cfg: HarnessConfig, group: dict, active: list, batches: list) -> list[dict]:
@@ -635,11 +686,15 @@ def _run_group(cfg: HarnessConfig, group: dict, active: list, batches: list) -> 
             runner.start_repeat()
         for b_index, prompt_batch in enumerate(batches):
             for name, k, runner in active[shift:] + active[:shift]:
+                before = _probe()(repeats=3) if name == REFERENCE else None
                 row = _timed_run(runner, prompt_batch, cfg, temperature, b_index)
                 if name == REFERENCE:
                     # The same prompts for one token: the prefill (and one step), timed apart so
-                    # the plain decode rate can be set against the weight-read bound.
+                    # the plain decode rate can be set against the weight-read bound; the read
+                    # bandwidth probed just before and just after, so the bound is the
+                    # machine's at the time of this run (the better probe: the tighter bound).
                     row["prefill_seconds"] = _timed_prefill(runner, prompt_batch, temperature, cfg.seed)
+                    row["read_bandwidth_probes"] = [before, _probe()(repeats=3)]
                 row.update(group, system=name, k=k, repeat=repeat)
                 _log(
                     f"{name:15s} k={k!s:4s} T={temperature:g} b={group['batch_size']} r={repeat} "
@@ -795,6 +850,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "num_mismatched_runs": checked.count(False),
                 "matches_own_plain": all(own) if own else None,
                 "decode_tokens_per_s": _decode_rate(rs),
+                "paired_decode_bound_seconds": _paired_bound_seconds(rs),
             }
         )
     out.sort(
@@ -818,6 +874,21 @@ def _decode_rate(rs: list[dict]) -> float | None:
         if r.get("prefill_seconds") is not None and r["seconds"] > r["prefill_seconds"]
     ]
     return statistics.median(rates) if rates else None
+
+
+def _paired_bound_seconds(rs: list[dict]) -> list[tuple[float, float]] | None:
+    """Per run that probed the bandwidth next to it: (decode seconds, the decode tokens' bound
+    in seconds at that bandwidth, before dividing by the weight bytes). ``None`` if none did."""
+    pairs = [
+        (
+            r["seconds"] - r["prefill_seconds"],
+            (r["num_new_tokens"] - len(r["prompt_tokens"])) / len(r["prompt_tokens"])
+            / max(r["read_bandwidth_probes"]),
+        )
+        for r in rs
+        if r.get("read_bandwidth_probes") and r["seconds"] > r["prefill_seconds"]
+    ]
+    return pairs or None
 
 
 def _sum_positions(rs: list[dict]) -> tuple[list[int] | None, list[int] | None]:
@@ -915,12 +986,25 @@ def _csv(cast):
     return lambda text: tuple(cast(x) for x in text.split(",") if x.strip())
 
 
+def _system_ks(text: str) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, sep, ks = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=K[,K...], got {item!r}")
+        out[name.strip()] = _csv(int)(ks)
+    return out
+
+
 PRESETS = {
     # Issue 12's table: every way to decode on the CPU, batch 1, one and two threads.
     "cpu": dict(
-        systems=("specdec-plain", "specdec-draft", "specdec-draft-adaptive", "specdec-lookup",
-                 "hf-plain", "hf-assisted"),
+        systems=("specdec-plain", "specdec-draft", "specdec-draft-adaptive",
+                 "specdec-draft-unquantized", "specdec-lookup", "hf-plain", "hf-assisted"),
         ks=(1, 2, 3, 4, 5, 6),
+        # One k where the k grid would cost an hour of transformers' decoding per k: the best
+        # fixed k of the int8 draft on one thread (2026-12-01).
+        system_ks={"specdec-draft-unquantized": (4,), "specdec-lookup": (4,), "hf-assisted": (4,)},
         threads=(1, 2),
         draft_quantization="int8",
         num_prompts=10,
@@ -942,8 +1026,8 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        help="defaults for a named table (cpu: plain, int8 draft k=1..6 and adaptive, lookup, "
-        "transformers plain and assisted; HumanEval 0-9 x 128 tokens; 1 and 2 threads; "
+        help="defaults for a named table (cpu: plain, int8 draft k=1..6 and adaptive, bf16 draft, "
+        "lookup, transformers plain and assisted (k=4 for the last three); HumanEval 0-9 x 128 tokens; 1 and 2 threads; "
         "add specdec-mtp with --systems and --mtp-head); other flags override them",
     )
     ap.add_argument(
@@ -960,6 +1044,12 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     )
     ap.add_argument(
         "--k", dest="ks", type=_csv(int), default=d.ks, help="num_speculative_tokens, comma list"
+    )
+    ap.add_argument(
+        "--system-ks",
+        type=_system_ks,
+        default=d.system_ks,
+        help="per-system k lists replacing --k, e.g. 'hf-assisted=4;specdec-lookup=2,4'",
     )
     ap.add_argument("--temperatures", type=_csv(float), default=d.temperatures)
     ap.add_argument("--batch-sizes", type=_csv(int), default=d.batch_sizes)
@@ -1001,6 +1091,12 @@ def bounds_markdown(bounds: list[dict], summary: list[dict]) -> str:
         shares = ", ".join(
             f"{s['prompt_set']} b={s['batch_size']}: plain decodes {s['decode_tokens_per_s']:.2f} tok/s "
             f"= {s['fraction_of_bound']:.0%} of it"
+            + (
+                f" ({s['fraction_of_paired_bound']:.0%} of the bound at the bandwidth probed "
+                "next to each run)"
+                if s.get("fraction_of_paired_bound")
+                else ""
+            )
             for s in plain
         )
         lines.append(

@@ -160,6 +160,28 @@ def test_plain_decoding_is_set_against_the_measured_bound(result):
     assert "of it" in payload["bounds_markdown"]
     for r in payload["runs"]:
         assert (r.get("prefill_seconds") is not None) == (r["system"] == "specdec-plain")
+        # The bandwidth probed right before and after each plain run.
+        probes = r.get("read_bandwidth_probes")
+        assert (probes is not None) == (r["system"] == "specdec-plain")
+        assert probes is None or (len(probes) == 2 and min(probes) > 5e8)
+    assert plain["fraction_of_paired_bound"] > 0
+    assert "paired_decode_bound_seconds" not in plain  # folded into the fraction
+
+
+def test_paired_bound_is_each_runs_decode_time_against_its_own_probes():
+    runs = [
+        # 2 prompts x 11 tokens: 10 decode steps in 2 s at 100 B/s -> bound 10 x 40 B / 100 B/s
+        dict(seconds=2.5, prefill_seconds=0.5, num_new_tokens=22, prompt_tokens=[3, 4],
+             read_bandwidth_probes=[80.0, 100.0]),
+        dict(seconds=5.0, prefill_seconds=1.0, num_new_tokens=22, prompt_tokens=[3, 4],
+             read_bandwidth_probes=[50.0, 40.0]),
+    ]
+    pairs = harness._paired_bound_seconds(runs)
+    assert pairs == [(2.0, 10 / 100.0), (4.0, 10 / 50.0)]
+    summary = [dict(threads=1, batch_size=2, decode_tokens_per_s=1.0, paired_decode_bound_seconds=pairs)]
+    harness._rate_against_bounds(summary, [dict(threads=1, weight_bytes=40, bound_decode_steps_per_s=1.0)])
+    # (0.1 + 0.2) x 40 B of weight reads against 6 s of decoding.
+    assert summary[0]["fraction_of_paired_bound"] == pytest.approx(12 / 6)
 
 
 def test_cpu_preset_and_overrides():
@@ -169,6 +191,14 @@ def test_cpu_preset_and_overrides():
     assert "specdec-draft-adaptive" in cfg.systems and "hf-assisted" in cfg.systems
     assert harness._ks(harness.SYSTEMS["specdec-draft-adaptive"], cfg.ks) == (6,)
     assert harness.parse_args(["--preset", "cpu", "--threads", "2"]).threads == (2,)
+    # One k for the systems whose k grid would cost an hour each; overridable.
+    assert cfg.system_ks["hf-assisted"] == (4,) and "specdec-draft-unquantized" in cfg.systems
+    over = harness.parse_args(["--preset", "cpu", "--system-ks", "hf-assisted=2,3;specdec-lookup=1"])
+    assert over.system_ks == {"hf-assisted": (2, 3), "specdec-lookup": (1,)}
+    with pytest.raises(ValueError, match="--system-ks"):
+        harness.parse_args(["--system-ks", "hf-plain=2"])  # not speculative: no k
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--system-ks", "hf-assisted"])
     with pytest.raises(ValueError, match="--threads"):
         harness.parse_args(["--threads", "0"])
 
