@@ -16,7 +16,7 @@ step's target work and of each ``propose`` call, and every request's accepted dr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
@@ -38,7 +38,15 @@ from specdec.policy import AdaptivePolicy
 from specdec.request import FinishReason, Request, RequestError, TokenLogprob
 from specdec.sampling import SamplingTensors, logprobs_of
 from specdec.scheduler import BatchScheduler, ScheduledBatch
-from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, StepOutput
+from specdec.types import (
+    PAD_TOKEN_ID,
+    BatchLayout,
+    DraftProposal,
+    ModelOutput,
+    ProposalKind,
+    StepOutput,
+)
+from specdec.verify.tree_layout import check_parents, kept_first_order, tree_depths, tree_rows
 
 __all__ = ["Engine"]
 
@@ -54,7 +62,7 @@ class Engine:
         backend: AttentionBackend,
         scheduler: BatchScheduler,
         sampler: Sampler,
-        verifier: Verifier | None = None,
+        verifiers: Mapping[ProposalKind, Verifier] | None = None,
         proposer: Proposer | None = None,
         proposer_kv: ModelKV | None = None,
         num_speculative_tokens: int = 0,
@@ -65,7 +73,8 @@ class Engine:
         self.backend = backend
         self.scheduler = scheduler
         self.sampler = sampler
-        self.verifier = verifier
+        # The verifier of each proposal kind (chain, tree): a proposer's kind picks it.
+        self.verifiers = dict(verifiers or {})
         self.proposer = proposer
         self.proposer_kv = proposer_kv
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -146,77 +155,81 @@ class Engine:
 
     # ------------------------------------------------------------ plain step
     def _plain_step(self, batch: ScheduledBatch, timing: _StepTiming) -> StepOutput:
+        """Prefill and/or one decode row per request: the target samples one token each."""
         reqs = batch.requests
         rows = [req.token_ids[req.num_computed :] for req in reqs]
         starts = [req.num_computed for req in reqs]
-        want_hidden = self.proposer is not None and self.proposer.needs_target_hidden
         layout = self.target_kv.layout(
             [r.seq_id for r in reqs], rows, starts, device=self.target.device
         )
-        timing.rows = layout.num_tokens
-        plan = self.backend.plan(layout, self.target.config.attention_spec)
-        out = self.target(
-            layout,
-            self.target_kv,
-            self.backend,
-            plan,
-            logits_indices=layout.last_row_indices,
-            return_hidden=want_hidden,
-        )
-        params = [r.params for r in reqs]
+        out = self._target_pass(layout, timing, logits_indices=layout.last_row_indices)
         errors: dict[int, BaseException] = {}
-        logits = _isolate_non_finite(reqs, out.logits, errors, "target logits")
-        tokens = self.sampler.sample(logits, params, [r.randomness() for r in reqs]).tolist()
-        _isolate_no_distribution(reqs, [[t] for t in tokens], errors)
-        self._record_logprobs(reqs, logits, [[t] for t in tokens], errors)
-
-        new_tokens = []
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            if i in errors:
-                new_tokens.append(())
-                continue
-            req.num_computed = len(req.token_ids)
-            _append(req, [tok], i, errors)
-            req.metrics.num_target_forwards += 1
-            req.metrics.num_generated_tokens += 1
-            self.metrics.num_generated_tokens += 1
-            new_tokens.append(() if i in errors else (tok,))
-        self.metrics.num_target_forwards += 1
-        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, layout.q_lens, [0] * len(reqs), out.hidden_states, skip=errors)
-        self._finish_step(reqs, errors)
-        return StepOutput(
-            seq_ids=tuple(r.seq_id for r in reqs),
-            new_token_ids=tuple(new_tokens),
-            num_drafted=(0,) * len(reqs),
-            num_accepted=(0,) * len(reqs),
-            speculative=False,
-            failed_seq_ids=tuple(reqs[i].seq_id for i in sorted(errors)),
+        logits = _isolate_non_finite(reqs, out.logits, errors, "target logits")  # [batch, vocab]
+        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
+        tokens = self.sampler.sample(
+            logits, [r.params for r in reqs], [r.randomness() for r in reqs], sampling=sampling
+        ).tolist()
+        return self._commit(
+            reqs,
+            _Judged(
+                layout=layout,
+                starts=starts,
+                logits=logits[:, None],  # [batch, 1, vocab]: the row each token was drawn at
+                sampling=sampling,
+                tokens=[[t] for t in tokens],
+                paths=[[0] for _ in reqs],
+                prefix_rows=[q - 1 for q in layout.q_lens],  # a prefill's prompt rows
+                num_drafted=(0,) * len(reqs),
+                num_accepted=(0,) * len(reqs),
+                depths=[0] * len(reqs),
+                hidden=out.hidden_states,
+                errors=errors,
+            ),
         )
 
     # ------------------------------------------------------ speculative step
     def _speculative_step(self, batch: ScheduledBatch, timing: _StepTiming) -> StepOutput:
+        """choose (the policy's k per request) -> draft -> verify -> commit."""
         reqs = batch.requests
+        ks = self._choose(reqs, batch.lookahead)
+        if max(ks) == 0:
+            return self._plain_step(batch, timing)
+        proposal = self._draft(reqs, ks, timing)
+        judged = self._verify(reqs, proposal, timing)
+        return self._commit(reqs, judged, speculated=ks)
+
+    def _choose(self, reqs: Sequence[Request], lookahead: int) -> tuple[int, ...]:
+        """The policy's k per request, checked against what each can keep."""
         # Drafting past a request's remaining budget is wasted work: the last emitted token
         # is always the target's own, so at most remaining - 1 drafts can be kept.
         caps = tuple(max(0, r.remaining() - 1) for r in reqs)
-        unseen = tuple(len(r.token_ids) - self._seen.get(r.seq_id, 0) for r in reqs)
+        if self.proposer.kind is ProposalKind.TREE:
+            # A tree's k counts nodes, not positions: any width fits while one draft can be
+            # kept (tokens past the budget are cut by the stop check, as for chains).
+            caps = tuple(lookahead if c > 0 else 0 for c in caps)
         ctx = SpeculationContext(
             seq_ids=tuple(r.seq_id for r in reqs),
             params=tuple(r.params for r in reqs),
             caps=caps,
-            unseen=unseen,
-            max_k=batch.lookahead,
+            unseen=self._unseen(reqs),
+            max_k=lookahead,
         )
-        ks = _check_ks(self.policy.choose(ctx), caps, batch.lookahead)
+        ks = _check_ks(self.policy.choose(ctx), caps, lookahead)
         for req, k in zip(reqs, ks):
             req.metrics.record_k(k)
             self.metrics.record_k(k)
+        return ks
+
+    def _unseen(self, reqs: Sequence[Request]) -> tuple[int, ...]:
+        return tuple(len(r.token_ids) - self._seen.get(r.seq_id, 0) for r in reqs)
+
+    def _draft(self, reqs: Sequence[Request], ks: Sequence[int], timing: _StepTiming) -> DraftProposal:
+        """Ask the proposer for the requests with ``k > 0`` (the others take a plain step inside
+        the same verify pass); the proposal comes back checked, spread over the whole batch and
+        capped at each request's own k."""
         lookahead = max(ks)
-        if lookahead == 0:
-            return self._plain_step(batch, timing)
-        # Only the requests that draft go to the proposer; the others take a plain step inside
-        # the same verify pass (zero drafts).
         drafting = [i for i, k in enumerate(ks) if k > 0]
+        unseen = self._unseen(reqs)
         start = self._clock()
         proposal = self.proposer.propose(
             ProposeContext(
@@ -230,7 +243,7 @@ class Engine:
                 device=self.target.device,
             )
         )
-        _check_proposal(proposal, len(drafting), lookahead)
+        _check_proposal(proposal, len(drafting), lookahead, self.proposer.kind)
         drafted = proposal.draft_token_ids.tolist()  # host sync: the drafting is done
         timing.draft_s = self._clock() - start
         self.policy.observe_propose(
@@ -241,20 +254,31 @@ class Engine:
         for row, i in zip(drafted, drafting):
             drafts[i] = row
         # Each request keeps at most its own k, and a draft ends at a PAD_TOKEN_ID (a sampler
-        # finds no distribution to draw from: the draft probabilities are checked below).
+        # finds no distribution to draw from: the draft probabilities are checked below). A
+        # tree keeps its first k nodes: parents come first, so they form a tree again.
         capped = tuple(
             min(n, k, _pad_at(row, n)) for n, k, row in zip(proposal.num_draft_tokens, ks, drafts)
         )
         if capped != tuple(proposal.num_draft_tokens):
             proposal = attrs.evolve(proposal, num_draft_tokens=capped)
+        _check_draft_ids(drafts, capped, self.target.config.vocab_size)
+        return proposal
+
+    def _verify(self, reqs: Sequence[Request], proposal: DraftProposal, timing: _StepTiming) -> _Judged:
+        """One target pass over every request's last token and drafts; the verifier for the
+        proposal's kind decides what each request keeps; a tree's kept path is compacted."""
+        verifier = self.verifiers.get(proposal.kind)
+        if verifier is None:
+            raise ValueError(f"no verifier for {proposal.kind} proposals; have {sorted(k.value for k in self.verifiers)}")
         num_draft = proposal.num_draft_tokens
-        _check_draft_ids(drafts, num_draft, self.target.config.vocab_size)
+        drafts = proposal.draft_token_ids.tolist()
         starts = [len(r.token_ids) - 1 for r in reqs]
         rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
-        positions, tree_masks = None, None
+        positions, tree_masks, depths = None, None, list(num_draft)
         if proposal.kind is ProposalKind.TREE:
-            positions, tree_masks = _tree_rows(proposal, starts)
-        want_hidden = self.proposer.needs_target_hidden
+            parents = proposal.parents.tolist()
+            positions, tree_masks = tree_rows(parents, num_draft, starts)
+            depths = [max(tree_depths(p, n)) for p, n in zip(parents, num_draft)]
         layout = self.target_kv.layout(
             [r.seq_id for r in reqs],
             rows,
@@ -263,86 +287,116 @@ class Engine:
             tree_masks=tree_masks,
             device=self.target.device,
         )
-        timing.rows = layout.num_tokens
-        plan = self.backend.plan(layout, self.target.config.attention_spec)
-        out = self.target(layout, self.target_kv, self.backend, plan, return_hidden=want_hidden)
-        width = proposal.width
-        row_index = _padded_row_index(layout.q_lens, width + 1).to(out.logits.device)
+        out = self._target_pass(layout, timing)
+        row_index = _padded_row_index(layout.q_lens, proposal.width + 1).to(out.logits.device)
         target_logits = out.logits[row_index]  # [batch, width + 1, vocab]
-        params = [r.params for r in reqs]
         errors: dict[int, BaseException] = {}
         target_logits = _isolate_non_finite(reqs, target_logits, errors, "target logits")
         if proposal.draft_probs is not None:
             draft_probs = _isolate_non_finite(reqs, proposal.draft_probs, errors, "draft probabilities")
             if draft_probs is not proposal.draft_probs:
                 proposal = attrs.evolve(proposal, draft_probs=draft_probs)
-        result = self.verifier.verify(
-            target_logits, proposal, params, [r.randomness() for r in reqs]
+        params = [r.params for r in reqs]
+        sampling = SamplingTensors.from_params(params, target_logits.device)
+        result = verifier.verify(
+            target_logits, proposal, params, [r.randomness() for r in reqs], sampling=sampling
+        )
+        emitted = result.emitted_token_ids.tolist()
+        paths = [rows[:n] for rows, n in zip(result.accepted_rows.tolist(), result.num_emitted)]
+        hidden, input_ids = out.hidden_states, layout.token_ids
+        if proposal.kind is ProposalKind.TREE:
+            for req, start, path in zip(reqs, starts, paths):
+                self.target_kv.manager.compact(req.seq_id, [start + r for r in path], start)
+            order = torch.tensor(kept_first_order(paths, layout.q_lens), dtype=torch.int64)
+            input_ids = input_ids[order.to(input_ids.device)]
+            hidden = None if hidden is None else hidden[order.to(hidden.device)]
+        return _Judged(
+            layout=attrs.evolve(layout, token_ids=input_ids),
+            starts=starts,
+            logits=target_logits,
+            sampling=sampling,
+            tokens=[e[:n] for e, n in zip(emitted, result.num_emitted)],
+            paths=paths,
+            prefix_rows=[0] * len(reqs),
+            num_drafted=num_draft,
+            depths=depths,
+            num_accepted=result.num_accepted,
+            hidden=hidden,
+            errors=errors,
         )
 
-        emitted = result.emitted_token_ids.tolist()
-        accepted_rows = result.accepted_rows.tolist()
-        hidden = out.hidden_states
-        if proposal.kind is ProposalKind.TREE:
-            hidden = self._compact_tree(reqs, starts, accepted_rows, result.num_emitted, layout.q_lens, hidden)
-        kept_tokens = [e[:n] for e, n in zip(emitted, result.num_emitted)]
-        _isolate_no_distribution(reqs, kept_tokens, errors)
-        self._record_logprobs_verify(reqs, target_logits, kept_tokens, accepted_rows, errors)
+    def _target_pass(self, layout: BatchLayout, timing: _StepTiming, **kwargs) -> ModelOutput:
+        """The target's forward over ``layout``, with hidden states when the proposer wants them."""
+        timing.rows = layout.num_tokens
+        plan = self.backend.plan(layout, self.target.config.attention_spec)
+        if self.proposer is not None and self.proposer.needs_target_hidden:
+            # The inputs of the target layers the proposer names (EAGLE-3: three), else the
+            # last layer's output.
+            layers = getattr(self.proposer, "target_hidden_layers", None)
+            kwargs["hidden_layers"] = tuple(layers) if layers else (self.target.config.num_layers,)
+        return self.target(layout, self.target_kv, self.backend, plan, **kwargs)
 
-        new_tokens = []
+    # ---------------------------------------------------------------- commit
+    def _commit(
+        self, reqs: Sequence[Request], judged: _Judged, *, speculated: Sequence[int] | None = None
+    ) -> StepOutput:
+        """Append each request's tokens, keep exactly its committed KV, tell the proposer.
+
+        Shared by plain and speculative steps: a plain step is one whose only judged row is
+        each request's last input row, with nothing drafted. ``speculated`` holds the policy's
+        k per request on speculative steps (``None`` on plain steps).
+        """
+        errors = judged.errors
+        _isolate_no_distribution(reqs, judged.tokens, errors)
+        self._record_logprobs(reqs, judged, errors)
+        manager = self.target_kv.manager
+        new_tokens, kept_rows = [], []
         for i, req in enumerate(reqs):
             if i in errors:
                 new_tokens.append(())
+                kept_rows.append(0)
                 continue
-            kept = _append(req, kept_tokens[i], i, errors)
-            req.num_computed = len(req.token_ids) - 1
-            req.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
-            self.policy.observe_verify(req.seq_id, num_draft[i], result.num_accepted[i])
-            if ks[i] > 0:
-                self._seen[req.seq_id] = len(req.token_ids)
+            kept = _append(req, judged.tokens[i], i, errors)
+            # Committed KV: the input rows before the judged ones (a prefill's prompt) and the
+            # judged rows whose tokens were kept (the last emitted token has no KV yet).
+            rows = judged.prefix_rows[i] + min(kept, len(judged.paths[i]))
+            kept_rows.append(rows)
+            req.num_computed = judged.starts[i] + rows
+            accepted = min(judged.num_accepted[i], kept)
             req.metrics.num_target_forwards += 1
             req.metrics.num_generated_tokens += kept
-            self.metrics.record_verify(num_draft[i], min(result.num_accepted[i], kept), kept)
             self.metrics.num_generated_tokens += kept
-            new_tokens.append(tuple(kept_tokens[i][:kept]))
+            if speculated is not None:
+                counts = (judged.num_drafted[i], accepted, kept, judged.depths[i])
+                req.metrics.record_verify(*counts)
+                self.metrics.record_verify(*counts)
+                self.policy.observe_verify(req.seq_id, judged.num_drafted[i], judged.num_accepted[i])
+                if speculated[i] > 0:
+                    self._seen[req.seq_id] = len(req.token_ids)
+            new_tokens.append(tuple(judged.tokens[i][:kept]) if i not in errors else ())
             # Release pages that only held rejected drafts (the next step re-reserves).
-            manager = self.target_kv.manager
             manager.truncate(req.seq_id, min(len(req.token_ids), manager.capacity(req.seq_id)))
         self.metrics.num_target_forwards += 1
-        kept_rows = [min(a + 1, len(t)) for a, t in zip(result.num_accepted, new_tokens)]
-        self._tell_proposer(reqs, layout.token_ids, layout.q_lens, starts, kept_rows, list(result.num_accepted), hidden, skip=errors)
+        self._tell_proposer(reqs, judged, kept_rows, skip=errors)
         self._finish_step(reqs, errors)
         return StepOutput(
             seq_ids=tuple(r.seq_id for r in reqs),
             new_token_ids=tuple(new_tokens),
-            num_drafted=tuple(num_draft),
-            num_accepted=tuple(result.num_accepted),
-            speculative=True,
+            num_drafted=tuple(judged.num_drafted),
+            num_accepted=tuple(judged.num_accepted),
+            speculative=speculated is not None,
             failed_seq_ids=tuple(reqs[i].seq_id for i in sorted(errors)),
         )
 
-    def _compact_tree(self, reqs, starts, accepted_rows, num_emitted, q_lens, hidden):
-        """Move the accepted path's KV (and hidden rows) to contiguous slots after the prefix."""
-        offsets = [0]
-        for q in q_lens:
-            offsets.append(offsets[-1] + q)
-        order = []
-        for i, req in enumerate(reqs):
-            path = accepted_rows[i][: num_emitted[i]]
-            self.target_kv.manager.compact(req.seq_id, [starts[i] + r for r in path], starts[i])
-            kept = set(path)
-            rest = [r for r in range(q_lens[i]) if r not in kept]
-            order.extend(offsets[i] + r for r in [*path, *rest])
-        if hidden is None:
-            return None
-        return hidden[torch.tensor(order, device=hidden.device)]
-
     # --------------------------------------------------------------- helpers
-    def _tell_proposer(self, reqs, input_ids, q_lens, starts, kept_rows, num_accepted, hidden, skip=()) -> None:
+    def _tell_proposer(self, reqs, judged: _Judged, kept_rows, skip=()) -> None:
         """Send the committed step to the proposer, leaving out the requests in ``skip``
         (they fail this step: the proposer releases them instead)."""
         if self.proposer is None:
             return
+        q_lens, starts = judged.layout.q_lens, judged.starts
+        input_ids, hidden = judged.layout.token_ids, judged.hidden
+        num_accepted = list(judged.num_accepted)
         indptr = [0]
         for q in q_lens:
             indptr.append(indptr[-1] + q)
@@ -376,26 +430,22 @@ class Engine:
             )
         )
 
-    def _record_logprobs(self, reqs: Sequence[Request], logits: torch.Tensor, tokens, errors) -> None:
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in errors]
-        if not want:
-            return
-        for i in want:
-            self._append_logprobs(reqs[i], logits[i : i + 1], tokens[i][:1])
-
-    def _record_logprobs_verify(self, reqs, target_logits, kept_tokens, accepted_rows, errors) -> None:
+    def _record_logprobs(self, reqs: Sequence[Request], judged: _Judged, errors) -> None:
+        """Logprobs of each kept token at the row it was judged at, for requests that ask."""
         for i, req in enumerate(reqs):
             if req.params.logprobs is None or i in errors:
                 continue
-            n = len(kept_tokens[i])
-            rows = torch.tensor(accepted_rows[i][:n], device=target_logits.device)
-            self._append_logprobs(req, target_logits[i, rows], kept_tokens[i])
+            tokens = judged.tokens[i]
+            rows = torch.tensor(judged.paths[i][: len(tokens)], device=judged.logits.device)
+            sampling = judged.sampling.select_rows([i] * len(tokens))
+            self._append_logprobs(req, judged.logits[i, rows], tokens, sampling)
 
     @staticmethod
-    def _append_logprobs(req: Request, logits: torch.Tensor, tokens: Sequence[int]) -> None:
+    def _append_logprobs(
+        req: Request, logits: torch.Tensor, tokens: Sequence[int], st: SamplingTensors
+    ) -> None:
         """Logprobs of ``tokens`` under the request's processed target distribution."""
         n = len(tokens)
-        st = SamplingTensors.from_params([req.params] * n, logits.device)
         ids = torch.tensor(list(tokens), device=logits.device)
         lp, top_ids, top_lp = logprobs_of(logits[:n], st, ids, req.params.logprobs)
         for j in range(n):
@@ -427,6 +477,25 @@ class _StepTiming:
 
     rows: int = 0
     draft_s: float = 0.0
+
+
+@attrs.frozen(eq=False)
+class _Judged:
+    """A target pass judged: per request, the tokens it emits and the rows behind them,
+    before anything is committed (the commit path is the same for plain and speculative)."""
+
+    layout: BatchLayout  # the pass's rows (a tree's: kept path first, see kept_first_order)
+    starts: list[int]  # per request: slot of its first input row
+    logits: torch.Tensor  # [batch, judged rows, vocab] the rows tokens were chosen at
+    sampling: SamplingTensors  # one row per request
+    tokens: list[list[int]]  # per request: accepted drafts + the target's own token
+    paths: list[list[int]]  # per request: judged row of each token (row 0 first)
+    prefix_rows: list[int]  # per request: input rows before the judged ones (all committed)
+    num_drafted: tuple[int, ...]
+    num_accepted: tuple[int, ...]
+    depths: list[int]  # per request: its deepest draft (a chain's: its length)
+    hidden: torch.Tensor | None  # [num rows, hidden] in ``layout``'s row order
+    errors: dict[int, BaseException]
 
 
 def _check_ks(ks: object, caps: Sequence[int], max_k: int) -> tuple[int, ...]:
@@ -521,8 +590,14 @@ def _append(req: Request, tokens: Sequence[int], index: int, errors: dict[int, B
         return 0
 
 
-def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) -> None:
+def _check_proposal(
+    proposal: DraftProposal, batch_size: int, lookahead: int, kind: ProposalKind
+) -> None:
     """A proposer's output must fit the step; a misbehaving plug-in fails loudly here."""
+    if proposal.kind is not kind:
+        raise ValueError(
+            f"proposer declares kind {kind.value} but returned a {proposal.kind.value} proposal"
+        )
     if proposal.batch_size != batch_size:
         raise ValueError(f"proposer returned {proposal.batch_size} rows for a batch of {batch_size}")
     if len(proposal.num_draft_tokens) != batch_size:
@@ -531,6 +606,16 @@ def _check_proposal(proposal: DraftProposal, batch_size: int, lookahead: int) ->
         raise ValueError(
             f"proposer drafted {proposal.num_draft_tokens} tokens; allowed 0..{lookahead} per sequence"
         )
+    if kind is ProposalKind.TREE:
+        parents = proposal.parents
+        if parents is None or tuple(parents.shape) != tuple(proposal.draft_token_ids.shape):
+            got = None if parents is None else tuple(parents.shape)
+            raise ValueError(
+                f"a tree proposal needs parents of shape [batch, width] = "
+                f"{tuple(proposal.draft_token_ids.shape)}, got {got}"
+            )
+        for row, n in zip(parents.tolist(), proposal.num_draft_tokens):
+            check_parents(row, n, name="proposal parents")
 
 
 def _pad_at(row: Sequence[int], n: int) -> int:
@@ -552,23 +637,3 @@ def _padded_row_index(q_lens: Sequence[int], width: int) -> torch.Tensor:
         index.append([offset + min(j, q - 1) for j in range(width)])
         offset += q
     return torch.tensor(index, dtype=torch.int64)
-
-
-def _tree_rows(proposal: DraftProposal, starts: Sequence[int]):
-    """RoPE positions and ``[q, q]`` ancestor masks for tree rows (row 0 is the root)."""
-    parents = proposal.parents.tolist()
-    positions, masks = [], []
-    for i, start in enumerate(starts):
-        n = proposal.num_draft_tokens[i]
-        q = n + 1
-        mask = torch.zeros(q, q, dtype=torch.bool)
-        depth = [0] * q
-        mask[0, 0] = True
-        for j in range(n):
-            parent = parents[i][j] + 1  # -1 (the root) -> row 0
-            depth[j + 1] = depth[parent] + 1
-            mask[j + 1] = mask[parent]
-            mask[j + 1, j + 1] = True
-        positions.append([start + d for d in depth])
-        masks.append(mask)
-    return positions, masks

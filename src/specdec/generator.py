@@ -32,8 +32,9 @@ from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.request import FinishReason, Request, RequestView, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
 from specdec.scheduler import BatchScheduler
-from specdec.types import StepOutput
+from specdec.types import ProposalKind, StepOutput
 from specdec.verify.chain import ChainVerifier
+from specdec.verify.tree import TreeVerifier
 
 __all__ = ["Generator", "GenerationOutput"]
 
@@ -122,7 +123,7 @@ class Generator:
             backend=backend or default_backend(target.device),
             scheduler=self.scheduler,
             sampler=TorchSampler(),
-            verifier=(verifier or ChainVerifier()) if proposer is not None else None,
+            verifiers=_verifiers(proposer, verifier),
             proposer=proposer,
             proposer_kv=proposer_kv,
             num_speculative_tokens=k,
@@ -570,11 +571,28 @@ def _check_components(
         raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
 
 
+def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:
+    """The verifier of each proposal kind; ``verifier`` replaces the one of the proposer's kind."""
+    if proposer is None:
+        return {}
+    verifiers = {ProposalKind.CHAIN: ChainVerifier(), ProposalKind.TREE: TreeVerifier()}
+    if verifier is not None:
+        verifiers[proposer.kind] = verifier
+    return verifiers
+
+
 def _resolve_policy(policy: object, proposer: Proposer | None) -> SpeculationPolicy | None:
-    """The policy to use (``AdaptivePolicy()`` by default, an int ``k`` as ``FixedPolicy(k)``);
+    """The policy to use (``AdaptivePolicy()`` by default, the whole tree every step for tree
+    proposers, an int ``k`` as ``FixedPolicy(k)``);
     TypeError/ValueError naming ``policy`` otherwise. ``proposer`` is already checked."""
     if policy is None:
-        return None if proposer is None else AdaptivePolicy()
+        if proposer is None:
+            return None
+        # The adaptive policy's cost model is a chain's (acceptance per position); trees are
+        # verified whole until it models them.
+        if proposer.kind is ProposalKind.TREE:
+            return FixedPolicy(proposer.num_speculative_tokens)
+        return AdaptivePolicy()
     if proposer is None:
         raise ValueError(
             f"policy={policy!r} needs a proposer: it chooses how many tokens the proposer drafts"
@@ -589,7 +607,8 @@ def _resolve_policy(policy: object, proposer: Proposer | None) -> SpeculationPol
             f"got {type(policy).__name__}"
         )
     k = proposer.num_speculative_tokens
-    if isinstance(policy, FixedPolicy) and policy.k > k:
+    # For a tree, FixedPolicy(n) verifies at most n nodes: the whole tree when n >= its size.
+    if isinstance(policy, FixedPolicy) and policy.k > k and proposer.kind is not ProposalKind.TREE:
         raise ValueError(
             f"policy FixedPolicy({policy.k}) drafts more than proposer.num_speculative_tokens ({k})"
         )

@@ -18,6 +18,7 @@ from specdec.types import BatchLayout, DraftProposal, ProposalKind, VerifyResult
 
 if TYPE_CHECKING:
     from specdec.kv.paged import KVSpec, ModelKV
+    from specdec.sampling import SamplingTensors
 
 __all__ = [
     "AttentionBackend",
@@ -86,6 +87,7 @@ class ProposeContext:
     kv: ModelKV | None = None
     backend: AttentionBackend | None = None
     device: torch.device = torch.device("cpu")  # where the target runs: put proposal tensors here
+    sampling: SamplingTensors | None = None  # params as tensors on ``device``, one row per sequence
 
 
 @attrs.frozen(eq=False)
@@ -123,7 +125,10 @@ class Proposer(Protocol):
     must roll it back to the target's committed length in ``on_target_step``.
 
     Optional: ``attach(target)``; a Generator calls it (before ``kv_specs``) with its target
-    model, for proposers that borrow the target's weights (MTP and EAGLE heads).
+    model, for proposers that borrow the target's weights (MTP and EAGLE heads). Optional:
+    ``target_hidden_layers`` (a tuple of layer indices, read after ``attach``): with
+    ``needs_target_hidden``, ``TargetStep.hidden_states`` holds the inputs of those target
+    layers side by side (index ``num_layers``: the last layer's output), not the last output.
     """
 
     kind: ProposalKind
@@ -151,7 +156,12 @@ class Verifier(Protocol):
         proposal: DraftProposal,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> VerifyResult: ...
+        *,
+        sampling: SamplingTensors | None = None,
+    ) -> VerifyResult:
+        """``sampling``: ``params`` as tensors (one row per sequence), built once per engine
+        step; ``None`` builds them from ``params``."""
+        ...
 
 
 @runtime_checkable
@@ -159,7 +169,11 @@ class Sampler(Protocol):
     """Turns logits into the processed distribution and draws tokens from it."""
 
     def probs(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        *,
+        sampling: SamplingTensors | None = None,
     ) -> torch.Tensor:  # [rows, vocab] float, rows sum to 1
         ...
 
@@ -168,6 +182,8 @@ class Sampler(Protocol):
         logits: torch.Tensor,  # [rows, vocab]
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        *,
+        sampling: SamplingTensors | None = None,  # params as tensors, built once per step
     ) -> torch.Tensor:  # [rows] int64
         ...
 

@@ -64,15 +64,23 @@ class SpecMetrics:
             for a, d in zip(self.accepted_per_position, self.drafted_per_position)
         ]
 
-    def record_verify(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """Count one sequence's verification step (``num_emitted`` after stop truncation)."""
+    def record_verify(
+        self, num_drafted: int, num_accepted: int, num_emitted: int, depth: int | None = None
+    ) -> None:
+        """Count one sequence's verification step (``num_emitted`` after stop truncation).
+
+        ``depth``: the deepest drafted position (a tree's depth; a chain's is its length, the
+        default). Per-position counts are per depth: position ``j`` was drafted in a step whose
+        proposal reached depth ``j + 1`` and accepted when the kept path did.
+        """
+        depth = num_drafted if depth is None else depth
         self.num_verify_steps += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         self.num_emitted_in_verify += num_emitted
-        _grow(self.drafted_per_position, num_drafted)
-        _grow(self.accepted_per_position, num_drafted)
-        for j in range(num_drafted):
+        _grow(self.drafted_per_position, depth)
+        _grow(self.accepted_per_position, depth)
+        for j in range(depth):
             self.drafted_per_position[j] += 1
         for j in range(num_accepted):
             self.accepted_per_position[j] += 1

@@ -118,8 +118,11 @@ class SamplingTensors:
         return self.temperature.device
 
     def select_rows(self, rows: Sequence[int]) -> SamplingTensors:
-        """The rows ``rows`` (host indices, in that order)."""
-        return SamplingTensors.from_params([self.params[r] for r in rows], self.device)
+        """The rows ``rows`` (host indices, in that order): a gather of the tensors already
+        built, so one set per step serves every part of it."""
+        rows = list(rows)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)  # [len(rows)]
+        return self._derived([self.params[r] for r in rows], index)
 
     def repeat_rows(self, repeats: int) -> SamplingTensors:
         """Each row repeated ``repeats`` times in place (``[a, b] -> [a, a, b, b]`` for 2).
@@ -128,8 +131,26 @@ class SamplingTensors:
         """
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        return SamplingTensors.from_params(
-            [p for p in self.params for _ in range(repeats)], self.device
+        rows = [r for r in range(self.num_rows) for _ in range(repeats)]
+        return self.select_rows(rows)
+
+    def _derived(self, params: list[SamplingParams], index: torch.Tensor) -> SamplingTensors:
+        top_k = self.top_k[index]  # [rows]
+        greedy = tuple(p.is_greedy for p in params)
+        host_top_k = [0 if p.is_greedy else p.top_k for p in params]
+        return SamplingTensors(
+            params=tuple(params),
+            temperature=self.temperature[index],
+            top_k=top_k,
+            top_p=self.top_p[index],
+            min_p=self.min_p[index],
+            greedy=self.greedy[index],
+            is_greedy=greedy,
+            max_top_k=max(host_top_k, default=0),
+            any_top_k=any(k > 0 for k in host_top_k),
+            any_top_p=any(not p.is_greedy and p.top_p < 1.0 for p in params),
+            any_min_p=any(not p.is_greedy and p.min_p > 0.0 for p in params),
+            all_greedy=all(greedy),
         )
 
 
@@ -445,19 +466,28 @@ class TorchSampler:
     :func:`processed_probs` with their own generator.
     """
 
-    def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def probs(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        *,
+        sampling: SamplingTensors | None = None,
+    ) -> torch.Tensor:
         """``[rows, vocab]`` processed distribution of ``logits`` ``[rows, vocab]``."""
-        return processed_probs(logits, SamplingTensors.from_params(params, logits.device))
+        return processed_probs(logits, sampling or SamplingTensors.from_params(params, logits.device))
 
     def sample(
         self,
         logits: torch.Tensor,  # [rows, vocab] float
         params: Sequence[SamplingParams],
         generators: Sequence[RowRandom],
+        *,
+        sampling: SamplingTensors | None = None,
     ) -> torch.Tensor:
         """``[rows]`` int64: one token per logit row (``-1`` where a sampled row's processed
-        distribution is not finite)."""
-        st = SamplingTensors.from_params(params, logits.device)
+        distribution is not finite). ``sampling``: ``params`` as tensors, if the caller has
+        them already (one set per engine step)."""
+        st = sampling or SamplingTensors.from_params(params, logits.device)
         _check_logits(logits, st)
         if len(generators) != st.num_rows:
             raise ValueError(f"got {len(generators)} generators for {st.num_rows} rows")

@@ -125,10 +125,15 @@ class VerifyResult:
 
 @attrs.frozen(eq=False)
 class ModelOutput:
-    """A model forward's result: logits for the requested rows, hidden states on request."""
+    """A model forward's result: logits for the requested rows, hidden states on request.
+
+    ``hidden_states`` holds, for each of the requested ``hidden_layers`` in order, the residual
+    stream entering that decoder layer (``num_layers``: the last layer's output before the final
+    norm, which is all ``return_hidden=True`` asks for), concatenated along the last dim.
+    """
 
     logits: torch.Tensor  # [num_logit_rows, vocab] float
-    hidden_states: torch.Tensor | None = None  # [num_tokens, hidden] last-layer (pre-norm) states
+    hidden_states: torch.Tensor | None = None  # [num_tokens, len(hidden_layers) * hidden], pre-norm
 
 
 @attrs.frozen(eq=False)

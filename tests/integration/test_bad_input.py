@@ -721,17 +721,17 @@ class RaisingVerifier(ChainVerifier):
     def __init__(self) -> None:
         self.armed = True
 
-    def verify(self, target_logits, proposal, params, generators):
+    def verify(self, target_logits, proposal, params, generators, **kwargs):
         if self.armed:
             raise RuntimeError("verifier exploded")
-        return super().verify(target_logits, proposal, params, generators)
+        return super().verify(target_logits, proposal, params, generators, **kwargs)
 
 
 FAULTS = {
     "raises": (RuntimeError, "proposer exploded"),
     "extra-row": (ValueError, r"proposer returned (\d+) rows for a batch of (?!\1)\d+"),
     "too-many-drafts": (ValueError, "proposer drafted"),
-    "tree-kind": (ValueError, "ChainVerifier verifies CHAIN proposals"),
+    "tree-kind": (ValueError, "proposer declares kind chain but returned a tree proposal"),
     # The engine checks draft ids before the target's embedding lookup (a device assert on CUDA).
     "token-past-vocab": (ValueError, "drafted token ids outside"),
     "bad-draft-probs": (ValueError, "draft_probs must be"),

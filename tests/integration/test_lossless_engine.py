@@ -302,9 +302,9 @@ class BuggyVerifier(ChainVerifier):
         self.name = name
         self.replacement = replacement
 
-    def verify(self, target_logits, proposal, params, generators):
+    def verify(self, target_logits, proposal, params, generators, **kwargs):
         with mock.patch.object(chain, self.name, self.replacement):
-            return super().verify(target_logits, proposal, params, generators)
+            return super().verify(target_logits, proposal, params, generators, **kwargs)
 
 
 BUGS = {

@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.kernels.cpu_int8 import int8_linear, int8_linear_reference, pack_int8, quantize_int8, unpack_int8
+from specdec.kernels.cpu_int8 import (
+    int8_linear,
+    int8_linear_reference,
+    pack_int8,
+    quantize_int8,
+    unpack_int8,
+)
 from specdec.models.quantized import Int8Linear, quantize_linears
 
 needs_kernel = pytest.mark.usefixtures("kernel")

@@ -282,34 +282,65 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden], last layer output before the final norm
+        return self.layer_states(embeds, positions, kv, backend, plan, (self.config.num_layers,))[0]
+
+    def layer_states(
+        self,
+        embeds: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv: ModelKV,
+        backend: AttentionBackend,
+        plan: object,
+        layers: tuple[int, ...],
+    ) -> list[torch.Tensor]:  # len(layers) x [num_tokens, hidden]
+        """The residual stream entering each of ``layers`` (``i == num_layers``: the last
+        layer's output before the final norm), in the given order; repeats allowed.
+
+        Example:
+            >>> first, last = model.layer_states(embeds, positions, kv, backend, plan, (0, 2))
+        """
+        n = self.config.num_layers
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= n]
+        if not layers or bad:
+            raise ValueError(f"layers must be a non-empty tuple of ints in 0..{n}, got {layers!r}")
         cos, sin = self.rope(positions)
         ops = _fused_ops(embeds)
         if ops is not None:
-            return self._fused_hidden_states(ops, embeds, cos, sin, kv, backend, plan)
-        h = embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv.layer(i), backend, plan)
-        return h
+            states = self._fused_layer_states(ops, embeds, cos, sin, kv, backend, plan, set(layers))
+        else:
+            wanted, h, states = set(layers), embeds, {}
+            for i, layer in enumerate(self.layers):
+                if i in wanted:
+                    states[i] = h
+                h = layer(h, cos, sin, kv.layer(i), backend, plan)
+            states[n] = h
+        return [states[i] for i in layers]
 
-    def _fused_hidden_states(self, ops, h, cos, sin, kv, backend, plan) -> torch.Tensor:
-        """:meth:`hidden_states` for bf16 on CPUs with the kernel's fused small ops (see
+    def _fused_layer_states(self, ops, h, cos, sin, kv, backend, plan, wanted) -> dict[int, torch.Tensor]:
+        """:meth:`layer_states` for bf16 on CPUs with the kernel's fused small ops (see
         ``kernels/cpu_layer_ops.cpp``): one call each for residual add + RMSNorm, RoPE of q
         and k, and SiLU-and-multiply, where the plain path takes ~55 tensor ops a layer. The
-        residual of each sub-block is added by the next norm (``delta``)."""
+        residual of each sub-block is added by the next norm (``delta``), so the input of layer
+        ``i`` exists only after its first norm; ``add_rms_norm`` returns a new tensor there,
+        never overwritten later, so keeping it costs nothing."""
         n = h.shape[0]
         cos, sin = cos.view(n, -1), sin.view(n, -1)  # [num_tokens, head_dim]
         delta = None  # [num_tokens, hidden] still to be added to h
+        states: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
             h, x = ops.add_rms_norm(h, delta, norm1.weight, norm1.eps)
+            if i in wanted:
+                states[i] = h
             qkv = attn.qkv_proj(x)  # [num_tokens, (Hq + 2 Hkv) * D]
             q, k = ops.rope_qk(qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
             out = backend.run(plan, q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
             h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(n, attn.q_size)), norm2.weight, norm2.eps)
             delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
-        return h if delta is None else h + delta
+        states[len(self.layers)] = h if delta is None else h + delta
+        return states
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept)."""
@@ -326,8 +357,29 @@ class LlamaModel(nn.Module):
         *,
         logits_indices: torch.Tensor | None = None,  # [rows] int64; None = every row
         return_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,
     ) -> ModelOutput:
-        """Run the batch; logits only for ``logits_indices`` (prefill needs the last rows only)."""
-        h = self.hidden_states(self.embed_tokens(layout.token_ids), layout.positions, kv, backend, plan)
+        """Run the batch; logits only for ``logits_indices`` (prefill needs the last rows only).
+
+        ``hidden_layers`` asks for ``hidden_states`` ``[num_tokens, len(hidden_layers) * hidden]``:
+        the inputs of those decoder layers concatenated in the given order, ``num_layers``
+        meaning the last layer's output before the final norm (what ``return_hidden=True``
+        returns, i.e. ``hidden_layers=(num_layers,)``). EAGLE heads feed on these.
+
+        Example:
+            >>> out = model(layout, kv, backend, plan, hidden_layers=(2, 16, 29))
+            >>> out.hidden_states.shape  # [num_tokens, 3 * hidden]
+        """
+        if return_hidden and hidden_layers is not None:
+            raise ValueError("pass return_hidden=True or hidden_layers, not both")
+        last = self.config.num_layers
+        wanted = (last,) if return_hidden else tuple(hidden_layers or ())
+        if hidden_layers is not None and not wanted:
+            raise ValueError(f"hidden_layers must name at least one layer in 0..{last}, got {hidden_layers!r}")
+        embeds = self.embed_tokens(layout.token_ids)
+        *captured, h = self.layer_states(embeds, layout.positions, kv, backend, plan, (*wanted, last))
         rows = h if logits_indices is None else h.index_select(0, logits_indices)
-        return ModelOutput(logits=self.logits(rows), hidden_states=h if return_hidden else None)
+        hidden = None
+        if captured:
+            hidden = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
+        return ModelOutput(logits=self.logits(rows), hidden_states=hidden)

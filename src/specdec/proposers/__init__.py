@@ -2,7 +2,8 @@
 
 from specdec.proposers.base import TokenListProposer
 from specdec.proposers.draft_model import DraftModel
+from specdec.proposers.eagle import EAGLETree
 from specdec.proposers.mtp import MTPHead
 from specdec.proposers.ngram import PromptLookup
 
-__all__ = ["DraftModel", "MTPHead", "PromptLookup", "TokenListProposer"]
+__all__ = ["DraftModel", "EAGLETree", "MTPHead", "PromptLookup", "TokenListProposer"]

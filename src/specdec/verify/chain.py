@@ -293,10 +293,10 @@ def rejection_verify(
 
 def _target_probs(
     target_logits: torch.Tensor,  # [rows, width + 1, vocab] float
-    params: Sequence[SamplingParams],  # one per row
+    sampling: SamplingTensors,  # one row per sequence
 ) -> torch.Tensor:  # [rows, width + 1, vocab], the processed distribution of every verify row
     rows, width_1, vocab = target_logits.shape
-    st = SamplingTensors.from_params(params, target_logits.device).repeat_rows(width_1)
+    st = sampling.repeat_rows(width_1)
     return processed_probs(target_logits.reshape(-1, vocab), st).reshape(rows, width_1, vocab)
 
 
@@ -328,6 +328,8 @@ class ChainVerifier:
         proposal: DraftProposal,
         params: Sequence[SamplingParams],
         generators: Sequence[RowRandom],
+        *,
+        sampling: SamplingTensors | None = None,  # params as tensors, one row per sequence
     ) -> VerifyResult:
         if proposal.kind is not ProposalKind.CHAIN:
             raise ValueError(f"ChainVerifier verifies CHAIN proposals, got {proposal.kind}")
@@ -363,10 +365,12 @@ class ChainVerifier:
             num_accepted[idx], emitted[idx] = greedy_verify(
                 target_logits[idx], proposal.draft_token_ids[idx], [counts[i] for i in greedy]
             )
+        if seeded or streamed:
+            sampling = sampling or SamplingTensors.from_params(params, device)
         if seeded:
             idx = _row_index(seeded, batch, device)
             num_accepted[idx], emitted[idx] = coupled_verify(
-                _target_probs(target_logits[idx], [params[i] for i in seeded]),
+                _target_probs(target_logits[idx], sampling.select_rows(seeded)),
                 proposal.draft_token_ids[idx],
                 [counts[i] for i in seeded],
                 [generators[i] for i in seeded],
@@ -375,7 +379,7 @@ class ChainVerifier:
             idx = _row_index(streamed, batch, device)
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[idx]
             num_accepted[idx], emitted[idx] = rejection_verify(
-                _target_probs(target_logits[idx], [params[i] for i in streamed]),
+                _target_probs(target_logits[idx], sampling.select_rows(streamed)),
                 draft_probs,
                 proposal.draft_token_ids[idx],
                 [counts[i] for i in streamed],

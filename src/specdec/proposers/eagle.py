@@ -1,0 +1,276 @@
+"""EAGLE proposer: a feature-level draft head grows a tree of candidates for one verify pass.
+
+Per sequence the proposer keeps ``g``: the head's output at the last committed row, whose
+logits rank the tokens after the last emitted one (the root's children). Each step:
+
+- ``propose``: the tree grows depth by depth (:mod:`specdec.proposers.tree_shape`: a static
+  list of paths or EAGLE-2's dynamic rule). Depth 1 ranks ``g``'s logits; each later depth runs
+  the head once over every node expanded so far, as one tree-masked batch (a node sees the
+  committed prefix and its own ancestors), pairing each node's token with its parent's head
+  output at RoPE position ``start + depth - 1``. Their rows sit in the slots reserved for the
+  verify pass and are rewritten by the next ``on_target_step``. The best nodes (by summed
+  log-probability) go to the target, parents first.
+- ``on_target_step``: re-run the head over the rows the target kept, pairing the target's
+  features with the committed tokens (for trees the engine has put the kept path first). This
+  replaces every draft-time row of the head's KV by one computed from the target's features,
+  and yields the new ``g``.
+
+Siblings are the draft's top-ranked tokens (deterministic given the context), so sampled
+requests are verified with the tree verifier's rule for fixed siblings: lossless whatever the
+head proposes (:mod:`specdec.verify.tree`).
+
+Example:
+    >>> eagle = EAGLETree.from_pretrained("heads/qwen-1.5b-eagle3", top_k=4, depth=5)
+    >>> gen = Generator.from_pretrained("qwen2.5-coder-1.5b-instruct", proposer=eagle)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdec.interfaces import ProposeContext, TargetStep
+from specdec.kv.paged import KVSpec, ModelKV
+from specdec.models.eagle import EagleHeadModel, load_eagle_head
+from specdec.models.llama import LlamaModel
+from specdec.proposers.tree_shape import Node, TreeShape, best_first, expansions
+from specdec.types import DraftProposal, ProposalKind, pad_rows
+from specdec.verify.tree_layout import tree_mask
+
+__all__ = ["EAGLETree"]
+
+
+class EAGLETree:
+    """Tree speculation with an EAGLE-1/2 or EAGLE-3 head (see :mod:`specdec.models.eagle`).
+
+    ``tree``: a list of paths for a static tree; ``None`` for the dynamic tree of ``top_k``,
+    ``depth`` and ``num_verify_tokens`` draft nodes. ``num_speculative_tokens`` is the tree's
+    node count; ``FixedPolicy(n)`` verifies the ``n`` best nodes of each tree.
+
+    ``from_pretrained`` reads and checks the head's files at once; the weights are placed on the
+    target when a Generator attaches the proposer (the head borrows the target's embedding, and
+    an EAGLE-1 head its final norm and LM head).
+    """
+
+    kind = ProposalKind.TREE
+    needs_target_hidden = True
+
+    def __init__(
+        self,
+        shape: TreeShape,
+        *,
+        head: EagleHeadModel | None = None,
+        path: Path | None = None,
+        target_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        self.shape = shape
+        self.head = head
+        self._path = path
+        self._target_layers = target_layers
+        self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output, last committed row
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        tree: Sequence[Sequence[int]] | None = None,
+        *,
+        top_k: int = 4,
+        depth: int = 5,
+        num_verify_tokens: int = 16,
+        target_layers: tuple[int, ...] | None = None,
+    ) -> EAGLETree:
+        """A head directory (specdec's format, or a public EAGLE-1/2 or EAGLE-3 checkpoint with
+        ``config.json`` + ``model.safetensors``). ``target_layers`` overrides the target layers a
+        public EAGLE-3 head feeds on."""
+        shape = TreeShape(paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens)
+        path = Path(path).expanduser()
+        for name in ("config.json", "model.safetensors"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"EAGLE head path {str(path)!r} has no {name}")
+        return cls(shape, path=path, target_layers=target_layers)
+
+    @classmethod
+    def from_model(
+        cls,
+        head: EagleHeadModel,
+        tree: Sequence[Sequence[int]] | None = None,
+        *,
+        top_k: int = 4,
+        depth: int = 5,
+        num_verify_tokens: int = 16,
+    ) -> EAGLETree:
+        shape = TreeShape(paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens)
+        return cls(shape, head=head)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.shape.num_nodes
+
+    @property
+    def target_hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the head feeds on (the engine asks the target)."""
+        if self.head is None:
+            raise RuntimeError("EAGLETree is not attached to a target yet (a Generator does that)")
+        return self.head.config.target_layers
+
+    def attach(self, target: LlamaModel) -> None:
+        """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
+        if self.head is None:
+            self.head = load_eagle_head(self._path, target, target_layers=self._target_layers)
+        elif self.head.target is not target:
+            self.head.config.check_target(target.config)
+            if self.head.target.embed_tokens.weight is not target.embed_tokens.weight:
+                raise ValueError(
+                    "this EAGLE head was built on another target model instance; load it with "
+                    "from_pretrained"
+                )
+
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        if self.head is None:
+            raise RuntimeError("EAGLETree is not attached to a target yet (a Generator does that)")
+        return (self.head.kv_spec("eagle"),)
+
+    # --------------------------------------------------------------- drafting
+    @torch.inference_mode()
+    def propose(self, ctx: ProposeContext) -> DraftProposal:
+        n = ctx.num_speculative_tokens
+        live = [i for i, s in enumerate(ctx.seq_ids) if s in self._g]  # all of them, normally
+        trees: list[list[Node]] = [[] for _ in ctx.seq_ids]
+        if live:
+            grown = self._grow(
+                [ctx.seq_ids[i] for i in live],
+                [len(ctx.token_ids[i]) - 1 for i in live],  # the root's slot
+                ctx.kv,
+                ctx.backend,
+            )
+            for i, nodes in zip(live, grown):
+                trees[i] = nodes
+        tokens, parents = [], []
+        for nodes in trees:
+            kept, kept_parents = best_first(nodes, n)
+            tokens.append([nodes[j].token for j in kept])
+            parents.append(kept_parents)
+        return DraftProposal(
+            kind=ProposalKind.TREE,
+            draft_token_ids=pad_rows(tokens, n, ctx.device),
+            num_draft_tokens=tuple(len(t) for t in tokens),
+            parents=_pad_parents(parents, n, ctx.device),
+        )
+
+    def _grow(
+        self, seq_ids: list[int], roots: list[int], kv: ModelKV, backend: object
+    ) -> list[list[Node]]:
+        """Every sequence's whole tree (all candidate nodes), grown depth by depth."""
+        head = self.head
+        trees: list[list[Node]] = [[] for _ in seq_ids]
+        root_g = torch.stack([self._g[s] for s in seq_ids])  # [batch, hidden]
+        expanded: list[list[int]] = [[] for _ in seq_ids]  # per sequence: nodes with a head row
+        outputs: list[dict[int, torch.Tensor]] = [{} for _ in seq_ids]  # node -> [hidden] g
+        for depth in range(1, self.shape.max_depth + 1):
+            plans = [expansions(self.shape, nodes, depth) for nodes in trees]
+            if not any(plans):
+                break
+            if depth == 1:
+                logits = head.logits(root_g)  # [batch, vocab]: the root's children
+            else:
+                for e, plan in zip(expanded, plans):
+                    e.extend(i for i, _ in plan)
+                self._head_rows(seq_ids, roots, trees, expanded, root_g, outputs, kv, backend)
+                g = torch.stack([out[i] for out, plan in zip(outputs, plans) for i, _ in plan])
+                logits = head.logits(g)  # [expanded this depth, vocab]
+            _add_children(trees, plans, logits, depth)
+        return trees
+
+    def _head_rows(self, seq_ids, roots, trees, expanded, root_g, outputs, kv, backend) -> None:
+        """One head forward over every expanded node of every sequence, tree-masked; each
+        node's output goes to ``outputs``.
+
+        Row ``r`` of a sequence is its ``r``-th expanded node, at slot ``root + r`` and RoPE
+        position ``root + depth - 1``, fed its parent's output (the root's: ``g``). Nodes
+        expanded at earlier depths are run again: a row sees the committed prefix and the rows
+        its mask allows, so the ancestors must be rows of the same pass.
+        """
+        head = self.head
+        features, tokens, positions, masks = [], [], [], []
+        for b, (nodes, e, root) in enumerate(zip(trees, expanded, roots)):
+            row_of = {node: r for r, node in enumerate(e)}
+            row_parents = [row_of.get(nodes[j].parent, -1) for j in e]
+            features.extend(root_g[b] if nodes[j].parent < 0 else outputs[b][nodes[j].parent] for j in e)
+            tokens.append([nodes[j].token for j in e])
+            positions.append([root + nodes[j].depth - 1 for j in e])
+            masks.append(tree_mask(row_parents, len(e))[1:, 1:])  # ancestors and self, no root
+        layout = kv.layout(
+            seq_ids, tokens, roots, positions=positions, tree_masks=masks, device=head.device
+        )
+        plan = backend.plan(layout, head.attention_spec)
+        g = head(torch.stack(features), layout.token_ids, layout.positions, kv, backend, plan)
+        rows = iter(g)
+        for b, e in enumerate(expanded):
+            for j in e:
+                outputs[b][j] = next(rows)
+
+    # ------------------------------------------------------ following the target
+    @torch.inference_mode()
+    def on_target_step(self, step: TargetStep) -> None:
+        if step.hidden_states is None:
+            raise ValueError("EAGLETree needs the target's hidden states (needs_target_hidden is True)")
+        index, next_tokens = [], []
+        for i, (tokens, start, kept) in enumerate(zip(step.token_ids, step.start_slots, step.kept_rows)):
+            index.extend(range(step.qo_indptr[i], step.qo_indptr[i] + kept))
+            next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
+        head = self.head
+        layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=head.device)
+        plan = step.backend.plan(layout, head.attention_spec)
+        hidden = step.hidden_states  # [rows, width of the target layers]
+        if len(index) != hidden.shape[0]:  # verify steps: the kept rows only (kept path first)
+            hidden = hidden[torch.tensor(index, device=hidden.device)]
+        g = head(head.target_feature(hidden), layout.token_ids, layout.positions, step.kv, step.backend, plan)
+        last = g[layout.last_row_indices]  # [batch, hidden]
+        for i, seq_id in enumerate(step.seq_ids):
+            self._g[seq_id] = last[i]
+
+    def release(self, seq_id: int) -> None:
+        self._g.pop(seq_id, None)
+
+
+def _add_children(trees: list[list[Node]], plans, logits: torch.Tensor, depth: int) -> None:
+    """Each expanded node's children take the tokens of the ranks its plan asks for.
+
+    ``logits`` ``[rows, vocab]``: one row per expanded node, in plan order over the batch.
+    """
+    width = max((max(r) + 1 for plan in plans for _, r in plan if r), default=0)
+    if width == 0:
+        return
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp_max(0.0)  # [rows, vocab]
+    top_lp, top_ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [rows, width]
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # host copies: the tree is host data
+    row = 0
+    for nodes, plan in zip(trees, plans):
+        for parent, ranks in plan:
+            base = 0.0 if parent < 0 else nodes[parent].score
+            prefix = () if parent < 0 else nodes[parent].ranks
+            for rank in ranks:
+                if rank < len(top_ids[row]):
+                    nodes.append(
+                        Node(
+                            token=top_ids[row][rank],
+                            parent=parent,
+                            depth=depth,
+                            score=base + top_lp[row][rank],
+                            ranks=(*prefix, rank),
+                        )
+                    )
+            row += 1
+
+
+def _pad_parents(rows: list[list[int]], width: int, device: torch.device) -> torch.Tensor:
+    """``[batch, width]`` int64 parents, padded with -1 past each tree."""
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return out.to(device)
+

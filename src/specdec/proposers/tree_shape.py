@@ -1,0 +1,156 @@
+"""How a draft tree grows: a static list of paths (EAGLE-1) or the dynamic rule (EAGLE-2).
+
+Both are data for one proposer. A tree grows depth by depth: at depth ``d`` some nodes of depth
+``d - 1`` (the root at ``d = 1``) are *expanded*: the head's distribution after them is ranked
+and the children take the tokens of chosen ranks. Every node scores the sum of the draft's
+log-probabilities along its path.
+
+- Static: ``paths`` such as ``[[0], [1], [0, 0], [0, 1], [0, 0, 0]]``; a path lists child ranks
+  from the root (``[0, 1]``: the second-best child of the best child of the root).
+- Dynamic (EAGLE-2): the root gets ``top_k`` children; at each later depth the ``top_k``
+  best-scoring nodes of the previous depth get ``top_k`` children each; after ``depth`` depths
+  the ``num_verify_tokens`` best-scoring nodes are kept.
+
+A child never scores above its parent (log-probabilities are <= 0), so ranking all nodes by
+``(-score, depth, creation order)`` puts every parent before its children: any prefix of that
+order is a tree. That order is the proposal's node order, so a policy asking for ``n`` nodes
+gets the ``n`` best (:func:`best_first`).
+
+Example:
+    >>> shape = TreeShape.static([[0], [1], [0, 0]])
+    >>> shape.num_nodes, shape.max_depth
+    (3, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from specdec.config import MAX_SPECULATIVE_TOKENS
+
+__all__ = ["Node", "TreeShape", "best_first", "expansions"]
+
+
+def _paths(value: object) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(tuple(path) for path in value)
+    except TypeError:
+        raise TypeError(f"tree must be a list of paths (lists of child ranks), got {value!r}") from None
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{attribute.name} must be an int >= 1, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TreeShape:
+    """A static tree (``paths``) or the dynamic rule (``top_k``, ``depth``, ``num_verify_tokens``)."""
+
+    paths: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=_paths)
+    top_k: int = attrs.field(default=4, validator=_positive)
+    depth: int = attrs.field(default=5, validator=_positive)
+    num_verify_tokens: int = attrs.field(default=16, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.paths is not None:
+            _check_paths(self.paths)
+        if self.num_nodes > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"a tree has at most {MAX_SPECULATIVE_TOKENS} draft nodes, got {self.num_nodes}"
+            )
+        # Draft rows of expanded nodes live in the slots reserved for verification.
+        if self.max_expanded > self.num_nodes + 1:
+            raise ValueError(
+                f"top_k * (depth - 1) = {self.max_expanded} nodes would be expanded but only "
+                f"num_verify_tokens + 1 = {self.num_nodes + 1} slots are reserved; lower top_k "
+                "or depth, or raise num_verify_tokens"
+            )
+
+    @classmethod
+    def static(cls, paths: Sequence[Sequence[int]]) -> TreeShape:
+        return cls(paths=paths)
+
+    @property
+    def is_static(self) -> bool:
+        return self.paths is not None
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft nodes in a full tree (the proposal's width)."""
+        return len(self.paths) if self.paths is not None else self.num_verify_tokens
+
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths) if self.paths is not None else self.depth
+
+    @property
+    def max_expanded(self) -> int:
+        """The most nodes that get children (each needs a draft row of the head)."""
+        if self.paths is not None:
+            return len({p[:-1] for p in self.paths if len(p) > 1})
+        return self.top_k * (self.depth - 1)
+
+
+def _check_paths(paths: tuple[tuple[int, ...], ...]) -> None:
+    if not paths:
+        raise ValueError("tree must hold at least one path")
+    seen = set()
+    for path in paths:
+        if not path or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in path):
+            raise ValueError(f"tree paths must be non-empty lists of ranks >= 0, got {list(path)}")
+        if path in seen:
+            raise ValueError(f"tree lists path {list(path)} twice")
+        seen.add(path)
+    missing = [list(p) for p in paths if len(p) > 1 and p[:-1] not in seen]
+    if missing:
+        raise ValueError(f"tree paths {missing[:4]} lack their parent path")
+
+
+@attrs.frozen
+class Node:
+    """One draft node: its token, parent node (-1: the root), depth, score and rank path."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float  # sum of the draft's log-probabilities from the root
+    ranks: tuple[int, ...]  # child ranks from the root (how a static tree names it)
+
+
+def expansions(shape: TreeShape, nodes: Sequence[Node], depth: int) -> list[tuple[int, list[int]]]:
+    """Which nodes get children at ``depth`` and the ranks those children take.
+
+    Returns ``(node index, ranks)`` pairs, node index ``-1`` for the root (``depth == 1``).
+    """
+    if depth == 1:
+        if shape.paths is not None:
+            return [(-1, sorted(p[0] for p in shape.paths if len(p) == 1))]
+        return [(-1, list(range(shape.top_k)))]
+    previous = [i for i, node in enumerate(nodes) if node.depth == depth - 1]
+    if shape.paths is not None:
+        wanted: dict[tuple[int, ...], list[int]] = {}
+        for p in shape.paths:
+            if len(p) == depth:
+                wanted.setdefault(p[:-1], []).append(p[-1])
+        return [(i, sorted(wanted[nodes[i].ranks])) for i in previous if nodes[i].ranks in wanted]
+    frontier = sorted(previous, key=lambda i: (-nodes[i].score, i))[: shape.top_k]
+    return [(i, list(range(shape.top_k))) for i in sorted(frontier)]
+
+
+def best_first(nodes: Sequence[Node], n: int) -> tuple[list[int], list[int]]:
+    """The ``n`` best nodes, parents first: their indices into ``nodes``, and each one's
+    parent as an index into that list (-1: the root). Nodes scoring ``-inf`` (tokens the draft
+    rules out) are never kept."""
+    order = sorted(
+        (i for i, node in enumerate(nodes) if node.score != float("-inf")),
+        key=lambda i: (-nodes[i].score, nodes[i].depth, i),
+    )
+    kept = order[:n]
+    position = {node: j for j, node in enumerate(kept)}
+    parents = [-1 if nodes[i].parent < 0 else position[nodes[i].parent] for i in kept]
+    return kept, parents
