@@ -194,8 +194,10 @@ class Engine:
         ks = self._choose(reqs, batch.lookahead)
         if max(ks) == 0:
             return self._plain_step(batch, timing)
-        proposal = self._draft(reqs, ks, timing)
-        judged = self._verify(reqs, proposal, timing)
+        # One set of sampling tensors for the step: the proposer's rows, the verifier, logprobs.
+        sampling = SamplingTensors.from_params([r.params for r in reqs], self.target.device)
+        proposal = self._draft(reqs, ks, sampling, timing)
+        judged = self._verify(reqs, proposal, sampling, timing)
         return self._commit(reqs, judged, speculated=ks)
 
     def _choose(self, reqs: Sequence[Request], lookahead: int) -> tuple[int, ...]:
@@ -223,7 +225,13 @@ class Engine:
     def _unseen(self, reqs: Sequence[Request]) -> tuple[int, ...]:
         return tuple(len(r.token_ids) - self._seen.get(r.seq_id, 0) for r in reqs)
 
-    def _draft(self, reqs: Sequence[Request], ks: Sequence[int], timing: _StepTiming) -> DraftProposal:
+    def _draft(
+        self,
+        reqs: Sequence[Request],
+        ks: Sequence[int],
+        sampling: SamplingTensors,
+        timing: _StepTiming,
+    ) -> DraftProposal:
         """Ask the proposer for the requests with ``k > 0`` (the others take a plain step inside
         the same verify pass); the proposal comes back checked, spread over the whole batch and
         capped at each request's own k."""
@@ -241,6 +249,7 @@ class Engine:
                 kv=self.proposer_kv,
                 backend=self.backend,
                 device=self.target.device,
+                sampling=sampling if len(drafting) == len(reqs) else sampling.select_rows(drafting),
             )
         )
         _check_proposal(proposal, len(drafting), lookahead, self.proposer.kind)
@@ -264,7 +273,13 @@ class Engine:
         _check_draft_ids(drafts, capped, self.target.config.vocab_size)
         return proposal
 
-    def _verify(self, reqs: Sequence[Request], proposal: DraftProposal, timing: _StepTiming) -> _Judged:
+    def _verify(
+        self,
+        reqs: Sequence[Request],
+        proposal: DraftProposal,
+        sampling: SamplingTensors,
+        timing: _StepTiming,
+    ) -> _Judged:
         """One target pass over every request's last token and drafts; the verifier for the
         proposal's kind decides what each request keeps; a tree's kept path is compacted."""
         verifier = self.verifiers.get(proposal.kind)
@@ -297,7 +312,6 @@ class Engine:
             if draft_probs is not proposal.draft_probs:
                 proposal = attrs.evolve(proposal, draft_probs=draft_probs)
         params = [r.params for r in reqs]
-        sampling = SamplingTensors.from_params(params, target_logits.device)
         result = verifier.verify(
             target_logits, proposal, params, [r.randomness() for r in reqs], sampling=sampling
         )

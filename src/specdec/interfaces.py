@@ -89,6 +89,16 @@ class ProposeContext:
     device: torch.device = torch.device("cpu")  # where the target runs: put proposal tensors here
     sampling: SamplingTensors | None = None  # params as tensors on ``device``, one row per sequence
 
+    def sampling_tensors(self, device: torch.device | str | None = None) -> SamplingTensors:
+        """``params`` as sampling tensors on ``device`` (default: ``self.device``): the step's
+        own set when the engine built it there, else a new one."""
+        from specdec.sampling import SamplingTensors
+
+        device = torch.device(self.device if device is None else device)
+        if self.sampling is not None and self.sampling.device == device:
+            return self.sampling
+        return SamplingTensors.from_params(self.params, device)
+
 
 @attrs.frozen(eq=False)
 class TargetStep:

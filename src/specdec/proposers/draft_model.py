@@ -23,7 +23,7 @@ from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.models.quantized import quantize_linears
-from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs, shift_rows
+from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind
 
 __all__ = ["DraftModel", "DraftModelConfig"]
@@ -101,7 +101,7 @@ class DraftModel:
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         k = ctx.num_speculative_tokens
         spec = self.model.config.attention_spec
-        st = SamplingTensors.from_params(ctx.params, self.model.device)
+        st = ctx.sampling_tensors(self.model.device)
         all_greedy = all(p.is_greedy for p in ctx.params)
         starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
         rows = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]

@@ -29,7 +29,7 @@ from specdec.kv.paged import KVSpec
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
 from specdec.models.llama import LlamaModel
 from specdec.models.packed import linear_weights, pack_linears, should_pack
-from specdec.sampling import SamplingTensors, processed_probs, sample_from_probs, shift_rows
+from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind, pad_rows
 
 __all__ = ["MTPHead", "MTPHeadProposerConfig"]
@@ -156,9 +156,8 @@ class MTPHead:
         probs_out = None if all_greedy else torch.zeros(batch, k, self.head.target_config.vocab_size, device=ctx.device)
         if live:
             seq_ids = [ctx.seq_ids[i] for i in live]
-            params = [ctx.params[i] for i in live]
             gens = [ctx.generators[i] for i in live]
-            st = None if all_greedy else SamplingTensors.from_params(params, self.head.device)
+            st = None if all_greedy else ctx.sampling_tensors(self.head.device).select_rows(live)
             g = torch.stack([self._g[s] for s in seq_ids])  # [live, hidden]
             slots = [len(ctx.token_ids[i]) - 1 for i in live]  # the next verify pass's first slot
             spec = self.head.target_config.attention_spec
