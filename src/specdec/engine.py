@@ -215,6 +215,7 @@ class Engine:
             caps=caps,
             unseen=self._unseen(reqs),
             max_k=lookahead,
+            kind=self.proposer.kind,
         )
         ks = _check_ks(self.policy.choose(ctx), caps, lookahead)
         for req, k in zip(reqs, ks):

@@ -582,17 +582,10 @@ def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[Pro
 
 
 def _resolve_policy(policy: object, proposer: Proposer | None) -> SpeculationPolicy | None:
-    """The policy to use (``AdaptivePolicy()`` by default, the whole tree every step for tree
-    proposers, an int ``k`` as ``FixedPolicy(k)``);
+    """The policy to use (``AdaptivePolicy()`` by default, an int ``k`` as ``FixedPolicy(k)``);
     TypeError/ValueError naming ``policy`` otherwise. ``proposer`` is already checked."""
     if policy is None:
-        if proposer is None:
-            return None
-        # The adaptive policy's cost model is a chain's (acceptance per position); trees are
-        # verified whole until it models them.
-        if proposer.kind is ProposalKind.TREE:
-            return FixedPolicy(proposer.num_speculative_tokens)
-        return AdaptivePolicy()
+        return None if proposer is None else AdaptivePolicy()
     if proposer is None:
         raise ValueError(
             f"policy={policy!r} needs a proposer: it chooses how many tokens the proposer drafts"

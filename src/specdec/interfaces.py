@@ -226,6 +226,7 @@ class SpeculationContext:
     caps: tuple[int, ...]
     unseen: tuple[int, ...]
     max_k: int  # this step's widest allowed draft (the proposer's k, or 0 when pages are short)
+    kind: ProposalKind = ProposalKind.CHAIN  # TREE: k counts tree nodes, not chain positions
 
 
 @runtime_checkable

@@ -32,6 +32,8 @@ import attrs
 
 from specdec.config import positive_int
 from specdec.interfaces import SpeculationContext
+from specdec.tree_policy import TreeSizer
+from specdec.types import ProposalKind
 
 __all__ = [
     "AdaptivePolicy",
@@ -306,6 +308,11 @@ class AdaptivePolicy:
     most ``probe_budget`` of that time, and only if it would draft were its acceptance as good
     as the generator's, it drafts one token.
 
+    Trees: for a tree proposer (``ctx.kind`` TREE) k counts tree nodes and the choice is one
+    tree size for the step, from the measured accepted length per size and drafting cost per
+    step (:class:`~specdec.tree_policy.TreeSizer`). The first tree context switches the policy's
+    observations of drafting and verification to the tree model.
+
     Costs come from wall-clock timings, so choices vary from run to run; greedy output never
     does. One instance belongs to one generator (state is keyed by request id).
     """
@@ -321,6 +328,10 @@ class AdaptivePolicy:
         self.catchup_cost = CostCurve(config.cost_decay, Extrapolation.PROPORTIONAL)
         self._global = _Counts()
         self._requests: dict[int, _Counts] = {}
+        # Tree proposers (k = node count) are sized by their own model; the target's cost
+        # curve is shared. Set by the first tree context: a policy serves one generator.
+        self.trees = TreeSizer(config.decay, config.cost_decay)
+        self._trees = False
 
     def __repr__(self) -> str:
         return f"AdaptivePolicy({self.config!r})"
@@ -366,6 +377,9 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ choosing
     def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:
+        if ctx.kind is ProposalKind.TREE:
+            self._trees = True
+            return self.trees.choose(ctx, self.target_cost)
         caps = [min(c, ctx.max_k) for c in ctx.caps]
         for seq_id in ctx.seq_ids:
             self._requests.setdefault(seq_id, _Counts())
@@ -547,6 +561,9 @@ class AdaptivePolicy:
     def observe_propose(self, batch: int, width: int, seconds: float, unseen: int) -> None:
         if batch < 1 or width < 1:
             return
+        if self._trees:
+            self.trees.observe_propose(batch, seconds)
+            return
         if unseen <= 0:
             self.draft_cost.observe(batch, seconds / width)
             return
@@ -567,12 +584,16 @@ class AdaptivePolicy:
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:
             return  # nothing was judged
+        if self._trees:
+            self.trees.observe_verify(seq_id, num_drafted, num_accepted)
+            return
         counts = self._requests.setdefault(seq_id, _Counts())
         counts.add(num_drafted, num_accepted, self.config.decay)
         self._global.add(num_drafted, num_accepted, self.config.global_decay)
 
     def release(self, seq_id: int) -> None:
         self._requests.pop(seq_id, None)
+        self.trees.release(seq_id)
 
 
 def _gains(acc: Sequence[float], caps: Sequence[int], width: int) -> list[tuple[float, int]]:

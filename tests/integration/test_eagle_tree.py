@@ -353,3 +353,19 @@ def test_eagle_head_pool_holds_the_recomputed_committed_kv(targets):
         _check_committed_kv(gen, target, oracle_pool_check=False)  # and the target's pool
     assert checked > 10
     assert gen.metrics.num_accepted > 0
+
+
+def test_the_default_adaptive_policy_sizes_trees_and_keeps_greedy_output(targets):
+    from specdec import AdaptivePolicy
+
+    target = targets["qwen2"]
+    prompts = _prompts(4, seed=17)
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    gen = Generator.from_components(
+        target, proposer=EAGLETree.from_model(random_eagle_head(target, EagleKind.EAGLE3), None)
+    )
+    assert isinstance(gen.policy, AdaptivePolicy)
+    assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    sizes = gen.metrics.k_histogram
+    assert any(k > 0 for k in sizes), sizes  # a fresh generator tried trees
+    assert set(sizes) <= {0, 1, 2, 4, 8, 16}, sizes  # the sizer's candidate node counts

@@ -19,6 +19,8 @@ from specdec.policy import (
     acceptance_estimate,
     expected_emitted,
 )
+from specdec.tree_policy import TreeSizer
+from specdec.types import ProposalKind
 
 GREEDY = SamplingParams(max_new_tokens=64)
 MAX_K = 5
@@ -533,3 +535,104 @@ def test_release_forgets_the_request():
     assert 0 in policy._requests
     policy.release(0)
     assert policy._requests == {}
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def tree_context(batch: int, max_k: int = 16, caps: int = 100) -> SpeculationContext:
+    return SpeculationContext(
+        seq_ids=tuple(range(batch)),
+        params=(GREEDY,) * batch,
+        caps=(caps,) * batch,
+        unseen=(0,) * batch,
+        max_k=max_k,
+        kind=ProposalKind.TREE,
+    )
+
+
+def flat_then_linear(policy: AdaptivePolicy, flat_rows: int = 8, base: float = 0.100) -> None:
+    """This CPU's target cost: ~flat up to a few rows, then linear (convex)."""
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        policy.observe_target(rows, base * max(1.0, rows / flat_rows))
+
+
+def test_tree_sizes_are_powers_of_two_and_the_whole_tree():
+    assert TreeSizer.sizes(16) == [1, 2, 4, 8, 16]
+    assert TreeSizer.sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert TreeSizer.sizes(1) == [1]
+
+
+def test_a_fresh_policy_tries_the_whole_tree_after_one_plain_step():
+    policy = AdaptivePolicy()
+    assert policy.choose(tree_context(1)) == (0,)  # no cost known: a plain step measures one
+    policy.observe_target(1, 0.1)
+    assert policy.choose(tree_context(1)) == (16,)  # unmeasured: priced optimistically
+
+
+def test_unmeasured_tree_sizes_are_tried_once_then_the_measured_best_wins():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    policy.observe_target(1, 0.100)
+    policy.observe_target(17, 0.180)  # a 16-node verify pass costs 1.8x here
+    policy.observe_propose(1, 16, 0.030, unseen=0)
+    for _ in range(20):
+        policy.observe_verify(0, 16, 3)
+    # 8 nodes: not measured, priced at the 1-row cost with 16 nodes' accepted length: tried.
+    assert policy.choose(tree_context(1)) == (8,)
+    policy.observe_target(9, 0.110)
+    for _ in range(20):
+        policy.observe_verify(0, 8, 2)
+    # Measured: 16 nodes 4 tokens / 0.21 s = 19/s; 8 nodes 3 / 0.14 = 21/s; 4 nodes (untried:
+    # optimistic 3 tokens at <= 0.11 + 0.03 s) still gets its try.
+    assert policy.choose(tree_context(1)) == (4,)
+    policy.observe_target(5, 0.105)
+    for _ in range(20):
+        policy.observe_verify(0, 4, 1)
+    # 4 nodes: 2 / 0.135 = 14.8/s; the others are measured below 2 rows... 8 is best.
+    policy.observe_target(3, 0.102)
+    policy.observe_target(2, 0.101)
+    for n in (1, 2):
+        for _ in range(20):
+            policy.observe_verify(0, n, 0.2)
+    assert policy.choose(tree_context(1)) == (8,)
+
+
+def test_trees_are_switched_off_where_they_cannot_pay_and_probed_later():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))  # a tree context first, as the engine asks before drafting
+    flat_then_linear(policy)
+    policy.observe_propose(1, 16, 0.150, unseen=0)  # drafting a tree costs 1.5 target steps
+    for n in (1, 2, 4, 8, 16):
+        for _ in range(10):
+            policy.observe_verify(0, n, 0.5)
+    choices = [policy.choose(tree_context(1))[0] for _ in range(policy.trees.probe_after + 1)]
+    assert set(choices[:-1]) == {0}
+    assert choices[-1] == 16  # a probe after probe_after steps off
+
+
+def test_large_batches_choose_smaller_trees_than_batch_one():
+    """At batch 16 every tree node is a verify row the target pays for in full (linear part)."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        policy.observe_target(rows, 0.1 * max(1.0, rows / 20))  # flat to 20 rows, then linear
+    for batch in (1, 2, 4, 8, 16):
+        policy.observe_propose(batch, 16, 0.010, unseen=0)
+    for n, acc in ((1, 0.9), (2, 1.1), (4, 1.5), (8, 1.8), (16, 2.0)):
+        for seq in range(16):
+            for _ in range(10):
+                policy.observe_verify(seq, n, acc)
+    single = policy.choose(tree_context(1))[0]
+    many = policy.choose(tree_context(16))[0]
+    assert single == 16 and 0 < many < single, (single, many)
+
+
+def test_tree_choices_leave_requests_without_budget_at_zero():
+    policy = AdaptivePolicy()
+    policy.observe_target(1, 0.1)
+    ctx = SpeculationContext(
+        seq_ids=(0, 1), params=(GREEDY,) * 2, caps=(5, 0), unseen=(0, 0), max_k=16,
+        kind=ProposalKind.TREE,
+    )
+    assert policy.choose(ctx) == (16, 0)
