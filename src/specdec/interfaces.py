@@ -124,6 +124,21 @@ class TargetStep:
     kv: ModelKV | None = None
     backend: AttentionBackend | None = None
 
+    def kept_pairs(self) -> tuple[torch.Tensor, list[list[int]]]:
+        """What a head re-runs over after the step: the hidden states of the kept rows
+        ``[sum(kept_rows), width]`` and, per sequence, the committed token that followed each
+        (row ``r`` at slot ``start + r`` pairs with token ``start + r + 1``)."""
+        if self.hidden_states is None:
+            raise ValueError("this TargetStep carries no hidden states (needs_target_hidden is False)")
+        index, next_tokens = [], []
+        for i, (tokens, start, kept) in enumerate(zip(self.token_ids, self.start_slots, self.kept_rows)):
+            index.extend(range(self.qo_indptr[i], self.qo_indptr[i] + kept))
+            next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
+        hidden = self.hidden_states  # [num_rows, width]
+        if len(index) != hidden.shape[0]:  # verify steps: the kept rows only (a tree's first)
+            hidden = hidden[torch.tensor(index, device=hidden.device)]
+        return hidden, next_tokens
+
 
 @runtime_checkable
 class Proposer(Protocol):

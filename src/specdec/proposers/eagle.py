@@ -215,18 +215,10 @@ class EAGLETree:
     # ------------------------------------------------------ following the target
     @torch.inference_mode()
     def on_target_step(self, step: TargetStep) -> None:
-        if step.hidden_states is None:
-            raise ValueError("EAGLETree needs the target's hidden states (needs_target_hidden is True)")
-        index, next_tokens = [], []
-        for i, (tokens, start, kept) in enumerate(zip(step.token_ids, step.start_slots, step.kept_rows)):
-            index.extend(range(step.qo_indptr[i], step.qo_indptr[i] + kept))
-            next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
+        hidden, next_tokens = step.kept_pairs()  # [kept rows, width of the target layers]
         head = self.head
         layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=head.device)
         plan = step.backend.plan(layout, head.attention_spec)
-        hidden = step.hidden_states  # [rows, width of the target layers]
-        if len(index) != hidden.shape[0]:  # verify steps: the kept rows only (kept path first)
-            hidden = hidden[torch.tensor(index, device=hidden.device)]
         g = head(head.target_feature(hidden), layout.token_ids, layout.positions, step.kv, step.backend, plan)
         last = g[layout.last_row_indices]  # [batch, hidden]
         for i, seq_id in enumerate(step.seq_ids):

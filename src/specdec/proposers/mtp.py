@@ -185,17 +185,9 @@ class MTPHead:
 
     # ------------------------------------------------------ following the target
     def on_target_step(self, step: TargetStep) -> None:
-        if step.hidden_states is None:
-            raise ValueError("MTPHead needs the target's hidden states (needs_target_hidden is True)")
-        index, next_tokens = [], []
-        for i, (tokens, start, kept) in enumerate(zip(step.token_ids, step.start_slots, step.kept_rows)):
-            index.extend(range(step.qo_indptr[i], step.qo_indptr[i] + kept))
-            next_tokens.append(list(tokens[start + 1 : start + 1 + kept]))
+        hidden, next_tokens = step.kept_pairs()  # [kept rows, hidden]
         layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=self.head.device)
         plan = step.backend.plan(layout, self.head.target_config.attention_spec)
-        hidden = step.hidden_states  # [rows, hidden]
-        if len(index) != hidden.shape[0]:  # verify steps: keep the accepted rows only
-            hidden = hidden[torch.tensor(index, device=hidden.device)]
         g = self.head(hidden, layout.token_ids, layout.positions, step.kv, step.backend, plan)
         last = g[layout.last_row_indices]  # [batch, hidden]
         for i, seq_id in enumerate(step.seq_ids):
