@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate | fetch | demo | train-mtp``.
+"""Command line: ``specdec generate | fetch | demo | train-mtp | train-eagle``.
 
 Errors print one line (``specdec: error: ...``) and exit with status 2; ``--debug`` shows the
 traceback instead.
@@ -54,6 +54,72 @@ def _sampling_params(args: argparse.Namespace):
         seed=args.seed,
         stop=tuple(args.stop),
     )
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated ints (``2,4,5``)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints, got {text!r}") from None
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """Flags every head trainer shares (data, features, optimisation, budget)."""
+    p.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
+    p.add_argument("--out", required=True, help="directory for the head, checkpoints and logs")
+    p.add_argument("--data", action="append", default=[], help="text file, directory or glob (repeatable)")
+    p.add_argument("--self-distill", type=int, default=0, metavar="N", help="train on N sampled generations of the target")
+    p.add_argument("--distill-prompt", action="append", default=[], help="prompt for self-distillation (repeatable; default BOS)")
+    p.add_argument("--distill-tokens", type=int, default=256)
+    p.add_argument("--chunk-len", type=int, default=256)
+    p.add_argument("--max-chunks", type=int, default=None)
+    p.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--val-prompt", action="append", default=[], help="held-out prompt (default: beginnings of held-out chunks)")
+    p.add_argument("--val-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--hidden-loss-weight", type=float, default=1.0)
+    p.add_argument("--val-every", type=int, default=200)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (saves the head)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--features", default=None, help="feature cache directory (default OUT/features)")
+    p.add_argument("--eval-only", action="store_true", help="measure the head in OUT on the held-out prompts")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu")
+    _add_threads_arg(p)
+
+
+def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
+    """``(config fields, pipeline keywords)`` the shared training flags map to."""
+    config = dict(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        hidden_loss_weight=args.hidden_loss_weight,
+        val_every=args.val_every,
+        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+        seed=args.seed,
+    )
+    pipeline = dict(
+        data=args.data,
+        self_distill_samples=args.self_distill,
+        distill_prompts=args.distill_prompt,
+        distill_tokens=args.distill_tokens,
+        chunk_len=args.chunk_len,
+        max_chunks=args.max_chunks,
+        max_bytes=args.max_bytes,
+        val_prompts=args.val_prompt,
+        val_tokens=args.val_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        features_dir=args.features,
+        eval_only=args.eval_only,
+    )
+    return config, pipeline
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,34 +182,27 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
-    mtp.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
-    mtp.add_argument("--out", required=True, help="directory for the head, checkpoints and logs")
-    mtp.add_argument("--data", action="append", default=[], help="text file, directory or glob (repeatable)")
-    mtp.add_argument("--self-distill", type=int, default=0, metavar="N", help="train on N sampled generations of the target")
-    mtp.add_argument("--distill-prompt", action="append", default=[], help="prompt for self-distillation (repeatable; default BOS)")
-    mtp.add_argument("--distill-tokens", type=int, default=256)
-    mtp.add_argument("--chunk-len", type=int, default=256)
-    mtp.add_argument("--max-chunks", type=int, default=None)
-    mtp.add_argument("--max-bytes", type=int, default=None)
-    mtp.add_argument("--val-prompt", action="append", default=[], help="held-out prompt (default: beginnings of held-out chunks)")
+    _add_training_args(mtp)
     mtp.add_argument("--val-k", type=int, default=1)
-    mtp.add_argument("--val-tokens", type=int, default=64)
-    mtp.add_argument("--steps", type=int, default=1000)
-    mtp.add_argument("--batch-size", type=int, default=8)
-    mtp.add_argument("--lr", type=float, default=1e-3)
-    mtp.add_argument("--warmup-steps", type=int, default=50)
-    mtp.add_argument("--hidden-loss-weight", type=float, default=1.0)
     mtp.add_argument("--no-input-norms", action="store_true", help="drop the head's enorm/hnorm")
     mtp.add_argument("--no-init-from-last-layer", action="store_true")
     mtp.add_argument("--vocab", choices=("data", "full"), default="data")
-    mtp.add_argument("--val-every", type=int, default=200)
-    mtp.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (saves the head)")
-    mtp.add_argument("--seed", type=int, default=0)
-    mtp.add_argument("--features", default=None, help="feature cache directory (default OUT/features)")
-    mtp.add_argument("--eval-only", action="store_true", help="measure the head in OUT on the held-out prompts")
-    mtp.add_argument("--dtype", default="bfloat16")
-    mtp.add_argument("--device", default="cpu")
-    _add_threads_arg(mtp)
+
+    eagle = sub.add_parser("train-eagle", help="train an EAGLE-1/2 or EAGLE-3 head for a target (see docs/eagle.md)")
+    _add_training_args(eagle)
+    eagle.add_argument("--kind", choices=("eagle1", "eagle3"), default="eagle1")
+    eagle.add_argument("--target-layers", type=_int_list, default=None, metavar="I,J,K",
+                       help="target layers the head feeds on (EAGLE-3; default 2,N//2,N-3)")
+    eagle.add_argument("--draft-vocab-size", type=_positive_int, default=None,
+                       help="EAGLE-3: draft over the N most frequent training tokens (default min(vocab, 32000))")
+    eagle.add_argument("--ttt-steps", type=_positive_int, default=None,
+                       help="draft steps unrolled in the loss (default: 1 for eagle1, 7 for eagle3)")
+    eagle.add_argument("--token-loss-weight", type=float, default=0.1, help="EAGLE-1 cross-entropy weight")
+    eagle.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    eagle.add_argument("--init-from-last-layer", action="store_true", help="start the layer from the target's last layer")
+    eagle.add_argument("--top-k", type=_positive_int, default=4, help="validation tree: children per node")
+    eagle.add_argument("--depth", type=_positive_int, default=5, help="validation tree: depth")
+    eagle.add_argument("--num-verify-tokens", type=_positive_int, default=16, help="validation tree: nodes verified")
     return parser
 
 
@@ -178,6 +237,8 @@ def _run(args: argparse.Namespace) -> int:
         return run_demo(args)
     if args.command == "train-mtp":
         return _train_mtp(args)
+    if args.command == "train-eagle":
+        return _train_eagle(args)
     return 2
 
 
@@ -185,38 +246,32 @@ def _train_mtp(args: argparse.Namespace) -> int:
     from specdec.training.mtp import MTPTrainConfig
     from specdec.training.pipeline import train_mtp_pipeline
 
-    config = MTPTrainConfig(  # validates every number before any model is loaded
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        hidden_loss_weight=args.hidden_loss_weight,
-        use_input_norms=not args.no_input_norms,
-        init_from_last_layer=not args.no_init_from_last_layer,
-        vocab=args.vocab,
-        val_every=args.val_every,
-        max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
-        seed=args.seed,
+    fields, pipeline = _training_args(args)
+    # The config validates every number before any model is loaded.
+    config = MTPTrainConfig(use_input_norms=not args.no_input_norms, vocab=args.vocab,
+                            init_from_last_layer=not args.no_init_from_last_layer, **fields)
+    train_mtp_pipeline(args.target, args.out, val_k=args.val_k, config=config, **pipeline)
+    return 0
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from specdec.models.eagle import EagleKind
+    from specdec.training.eagle import EagleTrainConfig
+    from specdec.training.pipeline import train_eagle_pipeline
+
+    fields, pipeline = _training_args(args)
+    config = EagleTrainConfig(
+        kind=EagleKind(args.kind),
+        target_layers=args.target_layers,
+        draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps,
+        token_loss_weight=args.token_loss_weight,
+        noise=args.noise,
+        init_from_last_layer=args.init_from_last_layer,
+        **fields,
     )
-    train_mtp_pipeline(
-        args.target,
-        args.out,
-        data=args.data,
-        self_distill_samples=args.self_distill,
-        distill_prompts=args.distill_prompt,
-        distill_tokens=args.distill_tokens,
-        chunk_len=args.chunk_len,
-        max_chunks=args.max_chunks,
-        max_bytes=args.max_bytes,
-        val_prompts=args.val_prompt,
-        val_k=args.val_k,
-        val_tokens=args.val_tokens,
-        config=config,
-        dtype=args.dtype,
-        device=args.device,
-        features_dir=args.features,
-        eval_only=args.eval_only,
-    )
+    train_eagle_pipeline(args.target, args.out, top_k=args.top_k, depth=args.depth,
+                         num_verify_tokens=args.num_verify_tokens, config=config, **pipeline)
     return 0
 
 

@@ -21,9 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_FILES = (
     "specdec/kernels/cpu_linear.cpp",
     "specdec/kernels/cpu_attention.cpp",
+    "specdec/kernels/cpu_layer_ops.cpp",
     "specdec/data/stories260K/model.safetensors",
     "specdec/data/stories260K/tokenizer.json",
     "specdec/data/stories260K-mtp/model.safetensors",
+    "specdec/data/stories260K-eagle/model.safetensors",
+    "specdec/data/stories260K-eagle/config.json",
 )
 
 SCRIPT = """
@@ -33,7 +36,7 @@ import specdec
 from specdec import Generator, SamplingParams
 from specdec.cli import bundled_model_path
 from specdec.kernels.cpu_linear import kernel_available
-from specdec.proposers import MTPHead
+from specdec.proposers import EAGLETree, MTPHead
 gen = Generator.from_pretrained(bundled_model_path(), dtype="bfloat16")
 head = MTPHead.from_pretrained(bundled_model_path().parent / "stories260K-mtp", num_speculative_tokens=2)
 spec = gen.with_proposer(head, policy=2)
@@ -43,6 +46,8 @@ print(json.dumps({
     "kernel": kernel_available(),
     "plain": gen.generate("Once upon a time", params).token_ids,
     "spec": spec.generate("Once upon a time", params).token_ids,
+    "eagle": gen.with_proposer(EAGLETree.from_pretrained(bundled_model_path().parent / "stories260K-eagle"))
+        .generate("Once upon a time", params).token_ids,
 }))
 """
 
@@ -92,3 +97,4 @@ def test_installed_wheel_loads_and_runs_a_bf16_model(wheel, tmp_path):
     here = Generator.from_pretrained(ROOT / "src/specdec/data/stories260K", dtype="bfloat16")
     assert result["plain"] == here.generate("Once upon a time", params).token_ids
     assert result["spec"] == result["plain"]
+    assert result["eagle"] == result["plain"]

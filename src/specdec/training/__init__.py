@@ -1,10 +1,13 @@
-"""Training pipelines for proposer heads (MTP now; EAGLE heads share the data and features)."""
+"""Training pipelines for proposer heads (MTP and EAGLE share the data, features and loop)."""
 
 from specdec.training.data import self_distill, text_files, token_chunks
+from specdec.training.eagle import EagleTrainConfig, EagleTrainResult, train_eagle
 from specdec.training.features import FeatureStore, compute_features
 from specdec.training.mtp import MTPTrainConfig, MTPTrainResult, train_mtp
 
 __all__ = [
+    "EagleTrainConfig",
+    "EagleTrainResult",
     "FeatureStore",
     "MTPTrainConfig",
     "MTPTrainResult",
@@ -12,5 +15,6 @@ __all__ = [
     "self_distill",
     "text_files",
     "token_chunks",
+    "train_eagle",
     "train_mtp",
 ]

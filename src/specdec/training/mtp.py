@@ -35,15 +35,24 @@ from specdec.models.llama import LlamaModel, rms_norm
 from specdec.models.packed import linear_weights, pack_linears, should_pack
 from specdec.training.features import FeatureStore
 
-__all__ = ["MTPTrainConfig", "MTPTrainResult", "train_mtp", "export_head", "measure_acceptance"]
+__all__ = [
+    "MTPTrainConfig",
+    "MTPTrainResult",
+    "train_mtp",
+    "train_loop",
+    "split_indices",
+    "lr_at",
+    "export_head",
+    "measure_acceptance",
+]
 
 
-def _positive_float(instance, attribute, value) -> None:
+def positive_float(instance, attribute, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise ValueError(f"{attribute.name} must be a positive number, got {value!r}")
 
 
-def _non_negative_float(instance, attribute, value) -> None:
+def non_negative_float(instance, attribute, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"{attribute.name} must be a number >= 0, got {value!r}")
 
@@ -52,16 +61,16 @@ def _non_negative_float(instance, attribute, value) -> None:
 class MTPTrainConfig:
     steps: int = attrs.field(default=1000, validator=positive_int)
     batch_size: int = attrs.field(default=8, validator=positive_int)  # chunks per step
-    lr: float = attrs.field(default=1e-3, validator=_positive_float)
+    lr: float = attrs.field(default=1e-3, validator=positive_float)
     warmup_steps: int = attrs.field(default=50, validator=positive_int)
-    min_lr_ratio: float = attrs.field(default=0.1, validator=_non_negative_float)
-    weight_decay: float = attrs.field(default=0.0, validator=_non_negative_float)
-    token_loss_weight: float = attrs.field(default=1.0, validator=_non_negative_float)
-    hidden_loss_weight: float = attrs.field(default=1.0, validator=_non_negative_float)
+    min_lr_ratio: float = attrs.field(default=0.1, validator=non_negative_float)
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
+    token_loss_weight: float = attrs.field(default=1.0, validator=non_negative_float)
+    hidden_loss_weight: float = attrs.field(default=1.0, validator=non_negative_float)
     use_input_norms: bool = True
     init_from_last_layer: bool = True  # start the decoder layer from the target's last layer
     vocab: str = attrs.field(default="data", validator=attrs.validators.in_(("data", "full")))
-    val_fraction: float = attrs.field(default=0.05, validator=_non_negative_float)
+    val_fraction: float = attrs.field(default=0.05, validator=non_negative_float)
     val_every: int = attrs.field(default=200, validator=positive_int)
     checkpoint_every: int = attrs.field(default=200, validator=positive_int)
     max_seconds: float | None = None  # stop early (and save) after this much training time
@@ -95,28 +104,16 @@ def train_mtp(
     if not isinstance(features, FeatureStore):
         raise TypeError(f"features must be a FeatureStore, got {type(features).__name__}")
     if features.hidden.shape[-1] != target.config.hidden_size:
-        raise ValueError("features were computed with another target (hidden size differs)")
+        raise ValueError("features were computed with another target or layers (width differs from hidden_size)")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     device = target.device
-    gen = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(features), generator=gen)
-    num_val = min(len(features) - 1, max(1, round(config.val_fraction * len(features)))) if config.val_fraction > 0 else 0
-    val_idx, train_idx = order[:num_val], order[num_val:]
-
+    train_idx, val_idx = split_indices(len(features), config)
     head = new_head(target, config).to(device)
     vocab = (features.vocabulary() if config.vocab == "data" else torch.arange(target.config.vocab_size)).to(device)
     lm_weight = linear_weights(target.lm_head)[0].to(device)[vocab].float()  # [V', H] frozen
     norm_weight = target.norm.weight.detach().float()
-    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
-    step, history = 0, []
-    ckpt = out / "checkpoint"
-    if resume and (ckpt / "state.json").is_file():
-        step, history = _load_checkpoint(ckpt, head, opt, config)
-        if log:
-            log(f"resumed from {ckpt} at step {step}")
 
-    def losses(idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    def losses(idx: torch.Tensor, noise: torch.Generator | None) -> dict[str, torch.Tensor]:
         tokens, hidden = features.batch(idx)
         tokens, hidden = tokens.to(device), hidden.to(device).float()
         g = head.forward_dense(hidden[:, :-1], tokens[:, 1:])  # [B, T-1, H]
@@ -127,22 +124,69 @@ def train_mtp(
         logq = F.log_softmax(head.norm(g) @ lm_weight.T, -1)  # [B, T-1, V']
         ce = -(target_logp.exp() * logq).sum(-1).mean()
         agree = (logq.argmax(-1) == target_logp.argmax(-1)).float().mean()
-        return {"token": ce, "hidden": rel.mean(), "top1": agree}
+        loss = config.token_loss_weight * ce + config.hidden_loss_weight * rel.mean()
+        return {"loss": loss, "token": ce, "hidden": rel.mean(), "top1": agree}
 
-    start = time.perf_counter()
-    last_log = start
+    step, history, train_seconds = train_loop(
+        head, losses, config, out, train_idx=train_idx, val_idx=val_idx, validate=validate,
+        resume=resume, stop_at=stop_at, log=log,
+    )
+    save_mtp_head(export_head(head, target), out)
+    save_draft_vocab(out, features.tokens_by_frequency())
+    (out / "train_log.json").write_text(json.dumps({"config": config_json(config), "history": history}, indent=1))
+    return MTPTrainResult(head=head, history=history, train_seconds=train_seconds, steps=step)
+
+
+def split_indices(num_chunks: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train, val)`` chunk indices: a seeded permutation, ``val_fraction`` held out."""
+    order = torch.randperm(num_chunks, generator=torch.Generator().manual_seed(config.seed))
+    num_val = 0
+    if config.val_fraction > 0:
+        num_val = min(num_chunks - 1, max(1, round(config.val_fraction * num_chunks)))
+    return order[num_val:], order[:num_val]
+
+
+def train_loop(
+    head: torch.nn.Module,
+    losses: Callable[[torch.Tensor, torch.Generator | None], dict[str, torch.Tensor]],
+    config,
+    out: Path,
+    *,
+    train_idx: torch.Tensor,  # [num_train] int64 chunk indices
+    val_idx: torch.Tensor,  # [num_val] int64
+    validate: Callable[[torch.nn.Module], dict[str, float]] | None,
+    resume: bool,
+    stop_at: int | None,
+    log: Callable[[str], None] | None,
+) -> tuple[int, list[dict[str, float]], float]:
+    """The optimisation loop every head trainer shares: AdamW (betas 0.9/0.95), warm-up then
+    cosine LR (:func:`lr_at`), clipping at 1.0, validation every ``val_every`` steps and at the
+    end, checkpoints in ``out/checkpoint`` (resumed when ``resume``). ``config`` is any trainer
+    config with the fields used here (steps, batch_size, lr, ..., seed).
+
+    ``losses(indices, noise)`` returns ``"loss"`` (minimised) and parts to log; ``noise`` is the
+    step's generator (``None`` at validation: no input noise). Returns ``(steps, history,
+    train_seconds)``."""
+    out.mkdir(parents=True, exist_ok=True)
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+    step, history = 0, []
+    ckpt = out / "checkpoint"
+    if resume and (ckpt / "state.json").is_file():
+        step, history = _load_checkpoint(ckpt, head, opt, config)
+        if log:
+            log(f"resumed from {ckpt} at step {step}")
+    start = last_log = time.perf_counter()
     train_seconds = 0.0
     while step < config.steps:
-        lr = _lr(step, config)
+        lr = lr_at(step, config)
         for group in opt.param_groups:
             group["lr"] = lr
-        # Batches depend on (seed, step) only, so a resumed run sees the batches it would have.
+        # Batches (and noise) depend on (seed, step) only, so a resumed run is the run it would have been.
         step_gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         idx = train_idx[torch.randint(len(train_idx), (config.batch_size,), generator=step_gen)]
-        parts = losses(idx)
-        loss = config.token_loss_weight * parts["token"] + config.hidden_loss_weight * parts["hidden"]
+        parts = losses(idx, step_gen)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        parts["loss"].backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         step += 1
@@ -153,7 +197,7 @@ def train_mtp(
         if step % config.val_every == 0 or last:
             row.update(_validation(head, losses, val_idx, validate))
         history.append(row)
-        if log and (time.perf_counter() - last_log > 10 or "val_top1" in row or last):
+        if log and (time.perf_counter() - last_log > 10 or step % config.val_every == 0 or last):
             last_log = time.perf_counter()
             shown = {k: round(v, 4) for k, v in row.items() if k != "step"}
             log(f"step {step}/{config.steps} {shown}")
@@ -161,11 +205,7 @@ def train_mtp(
             _save_checkpoint(ckpt, head, opt, step, history, config)
         if out_of_time:
             break
-    save_mtp_head(export_head(head, target), out)
-    ids, counts = torch.unique(features.tokens, return_counts=True)
-    save_draft_vocab(out, ids[torch.argsort(counts, descending=True, stable=True)])
-    (out / "train_log.json").write_text(json.dumps({"config": attrs.asdict(config), "history": history}, indent=1))
-    return MTPTrainResult(head=head, history=history, train_seconds=train_seconds, steps=step)
+    return step, history, train_seconds
 
 
 def new_head(target: LlamaModel, config: MTPTrainConfig) -> MTPHeadModel:
@@ -227,9 +267,9 @@ def _validation(head, losses, val_idx, validate) -> dict[str, float]:
     if len(val_idx):
         head.eval()
         with torch.no_grad():
-            parts = [losses(val_idx[i : i + 8]) for i in range(0, len(val_idx), 8)]
+            parts = [losses(val_idx[i : i + 8], None) for i in range(0, len(val_idx), 8)]
         head.train()
-        for key in ("token", "hidden", "top1"):
+        for key in parts[0]:
             row[f"val_{key}"] = float(sum(p[key] for p in parts) / len(parts))
     if validate is not None:
         head.eval()
@@ -241,7 +281,8 @@ def _validation(head, losses, val_idx, validate) -> dict[str, float]:
     return row
 
 
-def _lr(step: int, config: MTPTrainConfig) -> float:
+def lr_at(step: int, config) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr``."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
@@ -249,7 +290,13 @@ def _lr(step: int, config: MTPTrainConfig) -> float:
     return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def _save_checkpoint(ckpt: Path, head, opt, step: int, history, config: MTPTrainConfig) -> None:
+def config_json(config) -> dict[str, object]:
+    """A trainer config as JSON data (enums by value, tuples as lists): what checkpoints record
+    and compare."""
+    return json.loads(json.dumps(attrs.asdict(config), default=lambda v: v.value))
+
+
+def _save_checkpoint(ckpt: Path, head, opt, step: int, history, config) -> None:
     """Head weights and AdamW moments as safetensors, the rest as JSON (never pickles)."""
     from safetensors.torch import save_file
 
@@ -267,17 +314,17 @@ def _save_checkpoint(ckpt: Path, head, opt, step: int, history, config: MTPTrain
     (ckpt / "tensors.tmp").replace(ckpt / "tensors.safetensors")
     meta = {"step": step, "history": history, "scalars": scalars,
             "param_groups": [{k: v for k, v in g.items()} for g in state["param_groups"]],
-            "config": attrs.asdict(config)}
+            "config": config_json(config)}
     (ckpt / "state.tmp").write_text(json.dumps(meta))
     (ckpt / "state.tmp").replace(ckpt / "state.json")
 
 
-def _load_checkpoint(ckpt: Path, head, opt, config: MTPTrainConfig) -> tuple[int, list]:
+def _load_checkpoint(ckpt: Path, head, opt, config) -> tuple[int, list]:
     from safetensors.torch import load_file
 
     meta = json.loads((ckpt / "state.json").read_text())
     saved = dict(meta["config"])
-    mine = attrs.asdict(config)
+    mine = config_json(config)
     # Steps and time budget may grow on resume; anything else changes the run, so refuse.
     diff = sorted(k for k in mine if k not in ("steps", "max_seconds", "val_every", "checkpoint_every") and saved.get(k) != mine[k])
     if diff:

@@ -1,0 +1,445 @@
+"""Train an EAGLE head (EAGLE-1/2 or EAGLE-3) on cached target features.
+
+Rows as in :mod:`specdec.models.eagle`: row ``p`` pairs the feature ``f_p`` with token
+``t_{p+1}`` at RoPE position ``p`` and yields ``g_p``, which predicts ``t_{p+2}`` and, while
+drafting, is the next row's feature. Training unrolls the drafting the proposer does
+(the *training-time test*): for an anchor row ``a`` (a committed row), step 0 is the row the
+proposer computes from the target's feature; step ``i`` sits at position ``a + i``, pairs the
+head's own step ``i - 1`` output with ``t_{a+i+1}`` and attends to the committed rows ``<= a``
+(step 0's keys) and to its own ancestors (steps ``1..i`` of anchor ``a``), as the tree mask does
+at inference. Step ``i``'s output is compared with the target at position ``a + i + 1``:
+
+- EAGLE-1/2: ``smooth_l1(g, f_{a+i+1}) + 0.1 * CE(softmax(lm_head(f_{a+i+1})), lm_head(g))``
+  with ``f = norm(h_N)`` (the feature regression and the target's next-token distribution);
+  ``ttt_steps = 1`` by default, the paper's objective;
+- EAGLE-3: soft cross-entropy over the draft vocabulary against the target's distribution
+  restricted to it (rows whose target argmax lies outside are skipped), ``ttt_steps = 7``.
+
+Step ``i`` weighs ``step_weight ** i`` (0.8). Uniform noise of width ``noise`` on the step-0
+features during training (EAGLE's robustness to feature error). The draft vocabulary of an
+EAGLE-3 head is the ``draft_vocab_size`` most frequent tokens of the training data (``d2t``
+saved with the head). The optimisation loop, checkpoints and resumption are the MTP trainer's
+(:func:`specdec.training.mtp.train_loop`); validation runs the real
+:class:`~specdec.proposers.EAGLETree` inside a :class:`~specdec.Generator`.
+
+Example:
+    >>> cfg = EagleTrainConfig(kind=EagleKind.EAGLE1, ttt_steps=5, steps=2000)
+    >>> store = compute_features(target, chunks, "feats", layers=eagle_feature_layers(target, cfg))
+    >>> result = train_eagle(target, store, cfg, "heads/eagle")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from specdec.config import boolean, positive_int
+from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind, save_eagle_head
+from specdec.models.llama import LlamaModel, apply_rope, rms_norm
+from specdec.models.packed import linear_weights, pack_linears, should_pack
+from specdec.training.features import FeatureStore
+from specdec.training.mtp import (
+    config_json,
+    non_negative_float,
+    positive_float,
+    split_indices,
+    train_loop,
+)
+
+__all__ = [
+    "EagleTrainConfig",
+    "EagleTrainResult",
+    "train_eagle",
+    "eagle_feature_layers",
+    "new_eagle_head",
+    "export_eagle_head",
+    "measure_eagle",
+    "chain_tree",
+]
+
+
+def _layers_tuple(value: object) -> object:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _optional_positive_int(instance, attribute, value) -> None:
+    if value is not None:
+        positive_int(instance, attribute, value)
+
+
+def _step_weight(instance, attribute, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EagleTrainConfig:
+    """Everything an EAGLE training run depends on (checkpoints refuse another config).
+
+    ``target_layers``/``draft_vocab_size``/``ttt_steps`` default per kind: EAGLE-1 ``(N,)``, the
+    whole vocabulary, 1 step; EAGLE-3 the reference's layers, ``min(vocab, 32000)``, 7 steps.
+
+    Example:
+        >>> EagleTrainConfig(kind=EagleKind.EAGLE3, target_layers=(1, 2, 4), ttt_steps=5)
+    """
+
+    kind: EagleKind = attrs.field(
+        default=EagleKind.EAGLE1, validator=attrs.validators.instance_of(EagleKind)
+    )
+    target_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers_tuple)
+    draft_vocab_size: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    ttt_steps: int | None = attrs.field(default=None, validator=_optional_positive_int)
+    step_weight: float = attrs.field(default=0.8, validator=_step_weight)
+    steps: int = attrs.field(default=1000, validator=positive_int)
+    batch_size: int = attrs.field(default=8, validator=positive_int)  # chunks per step
+    lr: float = attrs.field(default=1e-3, validator=positive_float)
+    warmup_steps: int = attrs.field(default=50, validator=positive_int)
+    min_lr_ratio: float = attrs.field(default=0.1, validator=non_negative_float)
+    weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
+    hidden_loss_weight: float = attrs.field(default=1.0, validator=non_negative_float)  # EAGLE-1
+    token_loss_weight: float = attrs.field(default=0.1, validator=non_negative_float)  # EAGLE-1
+    noise: float = attrs.field(default=0.2, validator=non_negative_float)  # uniform width
+    init_from_last_layer: bool = attrs.field(
+        default=False, validator=boolean
+    )  # slower to train on stories260K
+    val_fraction: float = attrs.field(default=0.05, validator=non_negative_float)
+    val_every: int = attrs.field(default=200, validator=positive_int)
+    checkpoint_every: int = attrs.field(default=200, validator=positive_int)
+    max_seconds: float | None = None  # stop early (and save) after this much training time
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        layers = self.target_layers
+        if layers is not None and (
+            not isinstance(layers, tuple)
+            or not layers
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+        ):
+            raise ValueError(
+                f"target_layers must be a non-empty tuple of ints >= 0, got {layers!r}"
+            )
+        if self.kind is EagleKind.EAGLE1 and self.draft_vocab_size is not None:
+            raise ValueError(
+                "draft_vocab_size is for EAGLE-3 heads (an EAGLE-1 head drafts over the whole vocabulary)"
+            )
+
+    @property
+    def num_steps_unrolled(self) -> int:
+        """The draft steps the loss unrolls (``ttt_steps`` or the kind's default)."""
+        if self.ttt_steps is not None:
+            return self.ttt_steps
+        return 1 if self.kind is EagleKind.EAGLE1 else 7
+
+
+@attrs.frozen
+class EagleTrainResult:
+    head: EagleHeadModel  # float32 training copy
+    history: list[dict[str, float]]
+    train_seconds: float
+    steps: int
+
+
+def head_config(target: LlamaModel, config: EagleTrainConfig) -> EagleHeadConfig:
+    """The head's :class:`EagleHeadConfig` for ``target`` under ``config``."""
+    vocab = target.config.vocab_size
+    draft = None
+    if config.kind is EagleKind.EAGLE3:
+        draft = min(vocab, 32000) if config.draft_vocab_size is None else config.draft_vocab_size
+        if draft > vocab:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{vocab} (the target's vocabulary), got {draft}"
+            )
+    return EagleHeadConfig.for_target(
+        target.config, config.kind, target_layers=config.target_layers, draft_vocab_size=draft
+    )
+
+
+def eagle_feature_layers(target: LlamaModel, config: EagleTrainConfig) -> tuple[int, ...]:
+    """The target layers whose hidden states the feature cache must hold for this head: its
+    ``target_layers``, then ``num_layers`` (the teacher's logits are ``lm_head(norm(h_N))``)
+    unless that is already the last of them.
+
+    >>> eagle_feature_layers(stories260K, EagleTrainConfig(kind=EagleKind.EAGLE3, target_layers=(1, 2, 3)))
+    (1, 2, 3, 5)
+    """
+    layers = head_config(target, config).target_layers
+    last = target.config.num_layers
+    return layers if layers[-1] == last else (*layers, last)
+
+
+def new_eagle_head(
+    target: LlamaModel, config: EagleTrainConfig, draft_ids: torch.Tensor | None = None
+) -> EagleHeadModel:
+    """A float32 head. ``init_from_last_layer`` copies the target's last layer where shapes agree
+    (EAGLE-1: the whole layer, and ``fc`` starts as the identity on the feature; EAGLE-3: o_proj,
+    MLP, norms); an EAGLE-3 head's ``lm_head`` starts as the target's rows of ``draft_ids``
+    (``[draft_vocab] int64`` sorted target ids; default the first ids) and its ``norm`` as the
+    target's final norm."""
+    torch.manual_seed(config.seed)
+    head = EagleHeadModel(target, head_config(target, config)).float()
+    hidden = target.config.hidden_size
+    with torch.no_grad():
+        if config.kind is EagleKind.EAGLE3:
+            ids = (
+                torch.arange(head.config.draft_vocab_size) if draft_ids is None else draft_ids.cpu()
+            )
+            head.d2t.copy_(ids - torch.arange(len(ids)))
+            head.lm_head.weight.copy_(linear_weights(target.lm_head)[0].float().cpu()[ids])
+            head.norm.weight.copy_(target.norm.weight.float())
+        if config.init_from_last_layer:
+            _copy_last_layer(head, target)
+            if config.kind is EagleKind.EAGLE1:
+                head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
+                if head.fc.bias is not None:
+                    head.fc.bias.zero_()
+    return head.train()
+
+
+def _copy_last_layer(head: EagleHeadModel, target: LlamaModel) -> None:
+    src = target.layers[-1]
+    for name, module in head.layer.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            weight, bias = linear_weights(src.get_submodule(name))
+            if tuple(weight.shape) == tuple(module.weight.shape):
+                module.weight.copy_(weight.float())
+                if module.bias is not None and bias is not None:
+                    module.bias.copy_(bias.float())
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        if hasattr(head.layer, name):
+            source = (
+                src.post_attention_layernorm
+                if name == "post_attention_layernorm"
+                else src.input_layernorm
+            )
+            getattr(head.layer, name).weight.copy_(source.weight.float())
+
+
+def draft_vocabulary(features: FeatureStore, size: int, vocab_size: int) -> torch.Tensor:
+    """``[size] int64`` sorted target ids: the ``size`` most frequent tokens of the data, topped
+    up with the lowest unseen ids if the data holds fewer."""
+    ids = features.tokens_by_frequency()[:size]
+    if len(ids) < size:
+        seen = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        ids = torch.cat((ids, torch.nonzero(~seen).flatten()[: size - len(ids)]))
+    return torch.sort(ids).values
+
+
+def unrolled_outputs(
+    head: EagleHeadModel,
+    feature: torch.Tensor,  # [B, A, H] step-0 features of anchors 0..A-1
+    tokens: torch.Tensor,  # [B, A + steps - 1] int64: t_1 .. (token of step i = tokens[:, i : i + A])
+    steps: int,
+) -> list[torch.Tensor]:  # steps x [B, A, H]: g of anchor a at step i (position a + i)
+    """The head's outputs over ``steps`` draft steps with autograd, attention as the tree mask
+    has it at inference: step ``i`` of anchor ``a`` sees step 0 of anchors ``<= a`` and steps
+    ``1..i`` of anchor ``a``. Step 0 alone equals :meth:`EagleHeadModel.forward_dense`."""
+    b, a, _ = feature.shape
+    attn = head.layer.self_attn
+    rep, scale = attn.num_heads // attn.num_kv_heads, attn.head_dim**-0.5
+    causal = torch.ones(a, a, dtype=torch.bool, device=feature.device).tril()  # [A, A]
+    keys, values, outputs = [], [], []
+    for i in range(steps):
+        attn_in, residual = head.layer_input(feature, tokens[:, i : i + a])
+        cos, sin = head.rope(torch.arange(i, i + a, device=feature.device))  # [A, 1, D]
+        q, k, v = attn.qkv_proj(attn_in).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
+        q = apply_rope(q.view(b, a, attn.num_heads, attn.head_dim), cos, sin).transpose(
+            1, 2
+        )  # [B, h, A, D]
+        k = apply_rope(k.view(b, a, attn.num_kv_heads, attn.head_dim), cos, sin)
+        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, h, A, D]
+        v = (
+            v.view(b, a, attn.num_kv_heads, attn.head_dim)
+            .repeat_interleave(rep, dim=2)
+            .transpose(1, 2)
+        )
+        keys.append(k)
+        values.append(v)
+        prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(
+            ~causal, float("-inf")
+        )  # [B, h, A, A]
+        own = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # i x [B, h, A, 1]
+        weights = torch.softmax(torch.cat((prefix, *own), dim=-1), dim=-1)
+        out = weights[..., :a] @ values[0]
+        for j, vj in enumerate(values[1:]):
+            out = out + weights[..., a + j : a + j + 1] * vj
+        h = residual + attn.o_proj(out.transpose(1, 2).reshape(b, a, attn.q_size))
+        g = h + head.layer.mlp(head.layer.post_attention_layernorm(h))
+        outputs.append(g)
+        feature = g
+    return outputs
+
+
+def train_eagle(
+    target: LlamaModel,
+    features: FeatureStore,
+    config: EagleTrainConfig,
+    out_dir: str | Path,
+    *,
+    validate: Callable[[EagleHeadModel], dict[str, float]] | None = None,
+    resume: bool = True,
+    stop_at: int | None = None,
+    log: Callable[[str], None] | None = print,
+) -> EagleTrainResult:
+    """Train an EAGLE head for ``target`` on ``features`` (computed for
+    :func:`eagle_feature_layers`); writes the head (``out_dir``: config.json +
+    model.safetensors), checkpoints (``out_dir/checkpoint``) and ``out_dir/train_log.json``.
+    ``validate(head)`` (e.g. :func:`measure_eagle` bound to prompts) runs every ``val_every``
+    steps and at the end; ``stop_at`` ends this call after that step with a checkpoint (the next
+    call resumes exactly)."""
+    if not isinstance(config, EagleTrainConfig):
+        raise TypeError(f"config must be an EagleTrainConfig, got {type(config).__name__}")
+    if not isinstance(features, FeatureStore):
+        raise TypeError(f"features must be a FeatureStore, got {type(features).__name__}")
+    layers = eagle_feature_layers(target, config)
+    num_feature_layers = len(head_config(target, config).target_layers)
+    if features.layers != layers:
+        raise ValueError(
+            f"features hold target layers {features.layers}, this head needs {layers}: compute_features(..., layers={layers})"
+        )
+    steps = config.num_steps_unrolled
+    if features.chunk_len < steps + 2:
+        raise ValueError(
+            f"chunks of {features.chunk_len} tokens are too short for ttt_steps={steps} (need >= {steps + 2})"
+        )
+    out, device, cfg = Path(out_dir), target.device, target.config
+    train_idx, val_idx = split_indices(len(features), config)
+    eagle3 = config.kind is EagleKind.EAGLE3
+    draft_ids = (
+        draft_vocabulary(features, head_config(target, config).draft_vocab_size, cfg.vocab_size)
+        if eagle3
+        else None
+    )
+    head = new_eagle_head(target, config, draft_ids).to(device)
+    lm_weight = linear_weights(target.lm_head)[0].to(device).float()  # [V, H] frozen
+    norm_weight = target.norm.weight.detach().to(device).float()
+    in_draft = None
+    if eagle3:
+        in_draft = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device).index_fill_(
+            0, draft_ids.to(device), True
+        )
+        draft_ids = draft_ids.to(device)
+
+    def losses(idx: torch.Tensor, noise: torch.Generator | None) -> dict[str, torch.Tensor]:
+        tokens, hidden = features.batch(idx)
+        tokens, hidden = tokens.to(device), hidden.to(device).float()  # [B, T], [B, T, W]
+        anchors = tokens.shape[1] - steps  # rows 0..A-1 have a target for every step
+        with torch.no_grad():  # the last slice of the cache is h_N: the teacher's logits
+            normed = rms_norm(
+                hidden[..., -cfg.hidden_size :], norm_weight, cfg.rms_norm_eps
+            )  # [B, T, H]
+            logits = normed @ lm_weight.T  # [B, T, V]
+            if eagle3:
+                teacher_p = torch.softmax(logits[..., draft_ids], -1)  # [B, T, Vd]
+                valid = in_draft[logits.argmax(-1)].float()  # [B, T]
+            else:
+                teacher_p = torch.softmax(logits, -1)  # [B, T, V]
+        f = head.fc(hidden[..., : num_feature_layers * cfg.hidden_size]) if eagle3 else normed
+        start = f[:, :anchors]
+        if noise is not None and config.noise > 0:
+            jitter = torch.rand(start.shape, generator=noise).to(device)
+            start = start + (jitter - 0.5) * config.noise
+        outputs = unrolled_outputs(head, start, tokens[:, 1:], steps)
+        total, parts = 0.0, {}
+        for i, g in enumerate(outputs):
+            nxt = slice(i + 1, i + 1 + anchors)
+            p = teacher_p[:, nxt]
+            if eagle3:
+                logq = F.log_softmax(head.lm_head(head.norm(g)), -1)  # [B, A, Vd]
+                mask = valid[:, nxt]
+                ce = -((p * logq).sum(-1) * mask).sum() / mask.sum().clamp_min(1.0)
+                step_loss = ce
+            else:
+                logq = F.log_softmax(g @ lm_weight.T, -1)  # [B, A, V]
+                ce = -(p * logq).sum(-1).mean()
+                reg = F.smooth_l1_loss(g, f[:, nxt])
+                step_loss = config.hidden_loss_weight * reg + config.token_loss_weight * ce
+                if i == 0:
+                    parts["hidden"] = reg.detach()
+            total = total + config.step_weight**i * step_loss
+            agree = (logq.argmax(-1) == p.argmax(-1)).float().mean()
+            if i in (0, steps - 1):
+                parts[f"ce{i}"] = ce.detach()
+                parts[f"top1_{i}"] = agree
+        return {"loss": total, **parts}
+
+    step, history, train_seconds = train_loop(
+        head,
+        losses,
+        config,
+        out,
+        train_idx=train_idx,
+        val_idx=val_idx,
+        validate=validate,
+        resume=resume,
+        stop_at=stop_at,
+        log=log,
+    )
+    save_eagle_head(export_eagle_head(head, target), out)
+    (out / "train_log.json").write_text(
+        json.dumps({"config": config_json(config), "history": history}, indent=1)
+    )
+    return EagleTrainResult(head=head, history=history, train_seconds=train_seconds, steps=step)
+
+
+def export_eagle_head(head: EagleHeadModel, target: LlamaModel) -> EagleHeadModel:
+    """An inference copy of ``head`` in the target's dtype (packed on bf16 CPUs)."""
+    out = EagleHeadModel(target, head.config)
+    out.load_state_dict(
+        {
+            k: v.detach().to(target.dtype) if v.is_floating_point() else v.detach()
+            for k, v in head.state_dict().items()
+        }
+    )
+    out = out.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+    return pack_linears(out) if should_pack(out) else out
+
+
+def chain_tree(k: int) -> list[list[int]]:
+    """The static tree of one chain of ``k`` drafts (each the best child of the previous).
+
+    >>> chain_tree(3)
+    [[0], [0, 0], [0, 0, 0]]
+    """
+    return [[0] * i for i in range(1, k + 1)]
+
+
+def measure_eagle(
+    head: EagleHeadModel,
+    target: LlamaModel,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    tokenizer: object | None = None,
+    tree: Sequence[Sequence[int]] | None = None,
+    top_k: int = 4,
+    depth: int = 5,
+    num_verify_tokens: int = 16,
+    max_new_tokens: int = 64,
+) -> dict[str, object]:
+    """Greedy acceptance of ``head`` through a real Generator with the EAGLETree proposer,
+    every tree node verified every step (``FixedPolicy``): mean accepted length = tokens emitted
+    per verify step (accepted drafts + the target's own token), acceptance per depth."""
+    from specdec import FixedPolicy, Generator, SamplingParams
+    from specdec.proposers import EAGLETree
+
+    proposer = EAGLETree.from_model(
+        export_eagle_head(head, target),
+        tree,
+        top_k=top_k,
+        depth=depth,
+        num_verify_tokens=num_verify_tokens,
+    )
+    policy = FixedPolicy(proposer.num_speculative_tokens)
+    gen = Generator.from_components(target, tokenizer, proposer=proposer, policy=policy)
+    gen.generate(list(prompts), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    m = gen.metrics
+    return {
+        "mean_accepted_length": m.num_emitted_in_verify / max(1, m.num_verify_steps),
+        "acceptance_rate": m.acceptance_rate,
+        "per_position_acceptance": m.per_position_acceptance,
+        "num_verify_steps": m.num_verify_steps,
+    }
