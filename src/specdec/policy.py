@@ -562,7 +562,7 @@ class AdaptivePolicy:
         if batch < 1 or width < 1:
             return
         if self._trees:
-            self.trees.observe_propose(batch, seconds)
+            self.trees.observe_propose(batch, width, seconds)
             return
         if unseen <= 0:
             self.draft_cost.observe(batch, seconds / width)

@@ -10,11 +10,13 @@ cost per step, by the number of drafting requests.
 :class:`TreeSizer` learns ``A(n)`` per power-of-two bucket of ``n`` (decayed means, with each
 request's own ratio to the generator-wide means, shrunk toward 1) and the drafting cost, and
 picks the size with the best expected tokens per second for the batch, the target pass priced
-by the policy's :class:`~specdec.policy.CostCurve`. Cold start: an unmeasured size is priced
-optimistically (the accepted length of the nearest measured size above it, or a prior; drafting
-cost 0 until measured), so each is tried once before measurements decide. A generator that
-turned trees off probes the largest tree again after ``probe_after`` steps, so a change of
-workload is noticed.
+by the policy's :class:`~specdec.policy.CostCurve` and the drafting by a cost curve per size
+bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Cold start: an unmeasured
+size is priced optimistically (the accepted length of the nearest measured size above it, or a
+prior; the drafting cost of the nearest measured size below), so each is tried once before
+measurements decide. Measurements of the road not taken go stale, so after ``probe_after``
+steps with trees off the whole tree is tried once, and after ``probe_after`` steps with trees on
+one plain step re-measures the plain cost.
 
 Example:
     >>> sizer = TreeSizer(decay=0.9, cost_decay=0.8)
@@ -42,10 +44,14 @@ class TreeSizer:
         self.decay = decay
         self.prior_accepted = prior_accepted
         self.probe_after = probe_after
-        self.draft_cost = CostCurve(cost_decay, Extrapolation.FLAT)  # seconds per step, by batch
+        self._curve = lambda: CostCurve(cost_decay, Extrapolation.FLAT)
+        # Seconds of growing a tree, by batch, per power-of-two bucket of its node count (a tree
+        # of n nodes is grown to depth min(depth, n) only).
+        self.draft_costs: dict[int, CostCurve] = {}
         self._accepted: dict[int, list[float]] = {}  # bucket -> [decayed sum, decayed count]
         self._ratio: dict[int, list[float]] = {}  # seq_id -> [decayed accepted, decayed expected]
         self._off_run = 0  # consecutive steps with trees off
+        self._on_run = 0  # consecutive steps with trees on
 
     @staticmethod
     def sizes(max_k: int) -> list[int]:
@@ -82,9 +88,17 @@ class TreeSizer:
         got, expected = self._ratio[seq_id]
         return (got + 1.0) / (expected + 1.0)  # one pseudo-step at the generator's rate
 
-    def step_seconds(self, target_cost, rows: int, drafting: int) -> float:
-        draft = self.draft_cost.estimate(drafting) if drafting > 0 else 0.0
-        return target_cost.estimate(rows, optimistic=True) + draft
+    def draft_seconds(self, n: int, drafting: int) -> float:
+        """Seconds of growing ``drafting`` trees of ``n`` nodes; unmeasured sizes cost what the
+        nearest measured smaller size costs (a lower bound), 0 before any measurement."""
+        if n <= 0 or drafting <= 0:
+            return 0.0
+        bucket = int(math.log2(n))
+        below = [b for b in self.draft_costs if b <= bucket]
+        return self.draft_costs[max(below)].estimate(drafting) if below else 0.0
+
+    def step_seconds(self, target_cost, rows: int, n: int, drafting: int) -> float:
+        return target_cost.estimate(rows, optimistic=True) + self.draft_seconds(n, drafting)
 
     # ------------------------------------------------------------------ choosing
     def choose(self, ctx: SpeculationContext, target_cost) -> tuple[int, ...]:
@@ -93,27 +107,33 @@ class TreeSizer:
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
             return (0,) * len(ctx.caps)
         batch = len(ctx.caps)
-        best_n, best_rate = 0, batch / self.step_seconds(target_cost, batch, 0)
+        best_n, best_rate = 0, batch / self.step_seconds(target_cost, batch, 0, 0)
         for n in reversed(self.sizes(ctx.max_k)):  # ties go to the larger tree: it measures more
             emitted = sum(
                 1.0 + (self.accepted(n, s) if o else 0.0) for s, o in zip(ctx.seq_ids, open_)
             )
             drafting = sum(open_)
-            seconds = self.step_seconds(target_cost, batch + n * drafting, drafting)
+            seconds = self.step_seconds(target_cost, batch + n * drafting, n, drafting)
             rate = emitted / seconds if seconds > 0 else math.inf
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        # Measurements of a choice not taken go stale (the first steps of a process are slow,
+        # machines drift): after probe_after steps one way, one step the other way.
         if best_n == 0:
-            self._off_run += 1
+            self._off_run, self._on_run = self._off_run + 1, 0
             if self._off_run > self.probe_after:  # look again: the workload may have changed
                 best_n, self._off_run = ctx.max_k, 0
         else:
-            self._off_run = 0
+            self._on_run, self._off_run = self._on_run + 1, 0
+            if self._on_run > self.probe_after:  # re-measure a plain step
+                best_n, self._on_run = 0, 0
         return tuple(best_n if o else 0 for o in open_)
 
     # ------------------------------------------------------------------ observing
-    def observe_propose(self, batch: int, seconds: float) -> None:
-        self.draft_cost.observe(batch, seconds)
+    def observe_propose(self, batch: int, n: int, seconds: float) -> None:
+        if n < 1:
+            return
+        self.draft_costs.setdefault(int(math.log2(n)), self._curve()).observe(batch, seconds)
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:

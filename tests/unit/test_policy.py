@@ -602,13 +602,26 @@ def test_trees_are_switched_off_where_they_cannot_pay_and_probed_later():
     policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
     policy.choose(tree_context(1))  # a tree context first, as the engine asks before drafting
     flat_then_linear(policy)
-    policy.observe_propose(1, 16, 0.150, unseen=0)  # drafting a tree costs 1.5 target steps
+    for n in (1, 2, 4, 8, 16):
+        policy.observe_propose(1, n, 0.150, unseen=0)  # drafting a tree costs 1.5 target steps
     for n in (1, 2, 4, 8, 16):
         for _ in range(10):
             policy.observe_verify(0, n, 0.5)
     choices = [policy.choose(tree_context(1))[0] for _ in range(policy.trees.probe_after + 1)]
     assert set(choices[:-1]) == {0}
     assert choices[-1] == 16  # a probe after probe_after steps off
+
+
+def test_a_policy_keeping_trees_on_re_measures_a_plain_step_now_and_then():
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    flat_then_linear(policy, flat_rows=32)
+    for n in (1, 2, 4, 8, 16):
+        policy.observe_propose(1, n, 0.001, unseen=0)
+        for _ in range(10):
+            policy.observe_verify(0, n, 3.0)
+    choices = [policy.choose(tree_context(1))[0] for _ in range(policy.trees.probe_after + 1)]
+    assert set(choices[:-1]) == {16} and choices[-1] == 0
 
 
 def test_large_batches_choose_smaller_trees_than_batch_one():
@@ -618,7 +631,8 @@ def test_large_batches_choose_smaller_trees_than_batch_one():
     for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         policy.observe_target(rows, 0.1 * max(1.0, rows / 20))  # flat to 20 rows, then linear
     for batch in (1, 2, 4, 8, 16):
-        policy.observe_propose(batch, 16, 0.010, unseen=0)
+        for n in (1, 2, 4, 8, 16):
+            policy.observe_propose(batch, n, 0.010, unseen=0)
     for n, acc in ((1, 0.9), (2, 1.1), (4, 1.5), (8, 1.8), (16, 2.0)):
         for seq in range(16):
             for _ in range(10):

@@ -145,6 +145,7 @@ class EAGLETree:
                 [len(ctx.token_ids[i]) - 1 for i in live],  # the root's slot
                 ctx.kv,
                 ctx.backend,
+                max_depth=min(self.shape.max_depth, n),  # n best nodes: at most n deep
             )
             for i, nodes in zip(live, grown):
                 trees[i] = nodes
@@ -161,15 +162,15 @@ class EAGLETree:
         )
 
     def _grow(
-        self, seq_ids: list[int], roots: list[int], kv: ModelKV, backend: object
+        self, seq_ids: list[int], roots: list[int], kv: ModelKV, backend: object, max_depth: int
     ) -> list[list[Node]]:
-        """Every sequence's whole tree (all candidate nodes), grown depth by depth."""
+        """Every sequence's tree (all candidate nodes) to ``max_depth``, grown depth by depth."""
         head = self.head
         trees: list[list[Node]] = [[] for _ in seq_ids]
         root_g = torch.stack([self._g[s] for s in seq_ids])  # [batch, hidden]
         expanded: list[list[int]] = [[] for _ in seq_ids]  # per sequence: nodes with a head row
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in seq_ids]  # node -> [hidden] g
-        for depth in range(1, self.shape.max_depth + 1):
+        for depth in range(1, max_depth + 1):
             plans = [expansions(self.shape, nodes, depth) for nodes in trees]
             if not any(plans):
                 break
