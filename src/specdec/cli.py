@@ -135,7 +135,18 @@ def _parser() -> argparse.ArgumentParser:
     proposer.add_argument(
         "--prompt-lookup", action="store_true", help="speculate by prompt lookup (n-grams)"
     )
-    gen.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=4)
+    proposer.add_argument(
+        "--eagle-head", default=None, help="speculate with a tree drafted by this EAGLE head directory"
+    )
+    gen.add_argument(
+        "--num-speculative-tokens",
+        "-k",
+        type=_positive_int,
+        default=None,
+        help="drafts per step (default 4); with --eagle-head: tree nodes verified (default 16)",
+    )
+    gen.add_argument("--tree-top-k", type=_positive_int, default=4, help="--eagle-head: children per expanded node")
+    gen.add_argument("--tree-depth", type=_positive_int, default=5, help="--eagle-head: tree depth")
     gen.add_argument(
         "--draft-quantization",
         choices=("int8",),
@@ -277,7 +288,16 @@ def _train_eagle(args: argparse.Namespace) -> int:
 
 def _proposer(args: argparse.Namespace):
     """The proposer the flags name (``None``: plain decoding)."""
-    k = args.num_speculative_tokens
+    if args.eagle_head:
+        from specdec.proposers import EAGLETree
+
+        return EAGLETree.from_pretrained(
+            args.eagle_head,
+            top_k=args.tree_top_k,
+            depth=args.tree_depth,
+            num_verify_tokens=args.num_speculative_tokens or 16,
+        )
+    k = args.num_speculative_tokens or 4
     if args.draft:
         from specdec.proposers import DraftModel
 
@@ -304,7 +324,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)  # validated before any model is loaded
     proposer = _proposer(args)
-    policy = args.num_speculative_tokens if proposer is not None and args.policy == "fixed" else None
+    fixed = proposer is not None and args.policy == "fixed"
+    policy = proposer.num_speculative_tokens if fixed else None
     gen = Generator.from_pretrained(
         args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy
     )

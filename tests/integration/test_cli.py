@@ -26,14 +26,19 @@ def test_generate_plain_and_speculative(capsys):
 
 @pytest.mark.parametrize(
     "proposer",
-    [["--prompt-lookup"], ["--mtp-head", str(MTP_HEAD)], ["--draft", str(bundled_model_path())]],
-    ids=["lookup", "mtp", "draft"],
+    [
+        ["--prompt-lookup", "-k", "2"],
+        ["--mtp-head", str(MTP_HEAD), "-k", "2"],
+        ["--draft", str(bundled_model_path()), "-k", "2"],
+        ["--eagle-head", str(bundled_model_path().parent / "stories260K-eagle"), "-k", "8", "--tree-top-k", "2"],
+    ],
+    ids=["lookup", "mtp", "draft", "eagle"],
 )
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_generate_chooses_the_proposer_and_policy(capsys, proposer, policy):
     assert main(_common()) == 0
     plain = capsys.readouterr().out.split("\n[")[0]
-    assert main(_common(*proposer, "-k", "2", "--policy", policy)) == 0
+    assert main(_common(*proposer, "--policy", policy)) == 0
     out = capsys.readouterr().out
     assert out.split("\n[")[0] == plain
     assert "acceptance" in out
