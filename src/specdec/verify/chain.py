@@ -300,6 +300,19 @@ def _target_probs(
     return processed_probs(target_logits.reshape(-1, vocab), st).reshape(rows, width_1, vocab)
 
 
+def split_by_rule(
+    params: Sequence[SamplingParams], generators: Sequence[RowRandom]
+) -> tuple[list[int], list[int], list[int]]:
+    """Indices of the greedy, the seeded (coupled rule) and the streamed (rejection rule)
+    sequences of a batch; chain and tree verifiers both split by it."""
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    seeded = [
+        i for i, p in enumerate(params) if not p.is_greedy and isinstance(generators[i], SeededNoise)
+    ]
+    taken = set(greedy) | set(seeded)
+    return greedy, seeded, [i for i in range(len(params)) if i not in taken]
+
+
 def _row_index(rows: list[int], batch: int, device: torch.device) -> slice | torch.Tensor:
     """Index of ``rows`` in a batch: a plain slice (a view, no copy) when it is all of them."""
     if len(rows) == batch:
@@ -351,15 +364,7 @@ class ChainVerifier:
         num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]
         emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
 
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        seeded = [
-            i for i, p in enumerate(params)
-            if not p.is_greedy and isinstance(generators[i], SeededNoise)
-        ]
-        streamed = [
-            i for i, p in enumerate(params)
-            if not p.is_greedy and not isinstance(generators[i], SeededNoise)
-        ]
+        greedy, seeded, streamed = split_by_rule(params, generators)
         if greedy:
             idx = _row_index(greedy, batch, device)
             num_accepted[idx], emitted[idx] = greedy_verify(

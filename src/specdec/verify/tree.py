@@ -49,6 +49,7 @@ from specdec.verify.chain import (
     _target_probs,
     acceptance_probability,
     residual_distribution,
+    split_by_rule,
 )
 from specdec.verify.tree_layout import check_parents, tree_depths
 
@@ -495,17 +496,6 @@ def tree_rejection_verify(
 # --- the verifier ----------------------------------------------------------------------------
 
 
-def _kinds(
-    params: Sequence[SamplingParams], generators: Sequence[RowRandom]
-) -> tuple[list[int], list[int], list[int]]:
-    """Indices of the greedy, the seeded and the streamed (generator) sampled sequences."""
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    seeded = [i for i, g in enumerate(generators) if isinstance(g, SeededNoise)]
-    seeded = [i for i in seeded if not params[i].is_greedy]
-    taken = set(greedy) | set(seeded)
-    return greedy, seeded, [i for i in range(len(params)) if i not in taken]
-
-
 def _check_proposal(
     target_logits: torch.Tensor,  # [batch, width + 1, vocab]
     proposal: DraftProposal,
@@ -571,7 +561,7 @@ class TreeVerifier:
         num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]
         emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
         accepted_rows = torch.full_like(emitted, PAD_TOKEN_ID)  # [batch, width + 1]
-        greedy, seeded, streamed = _kinds(params, generators)
+        greedy, seeded, streamed = split_by_rule(params, generators)
         if seeded or streamed:
             sampling = sampling or SamplingTensors.from_params(params, device)
 
