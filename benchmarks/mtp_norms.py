@@ -36,15 +36,15 @@ def main(argv=None) -> int:
     from specdec.cli import bundled_model_path
     from specdec.generator import load_tokenizer
     from specdec.models.loading import load_model
+    from specdec.training.data import TrainData, build_chunks
     from specdec.training.features import compute_features
     from specdec.training.mtp import MTPTrainConfig, measure_acceptance, train_mtp
-    from specdec.training.pipeline import build_chunks
 
     target, _, path = load_model(bundled_model_path(), dtype="float32", device=args.device)
     tokenizer = load_tokenizer(path)
     work = Path(tempfile.mkdtemp(prefix="mtp-norms-"))
     start = time.perf_counter()
-    chunks, prompts = build_chunks(target, tokenizer, self_distill_samples=args.samples, distill_tokens=256, chunk_len=256)
+    chunks, prompts = build_chunks(target, tokenizer, TrainData(self_distill_samples=args.samples, distill_tokens=256, chunk_len=256))
     features = compute_features(target, chunks, work / "features", log=None)
     data_s = time.perf_counter() - start  # shared by every run: identical chunks for all
     runs = []

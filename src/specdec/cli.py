@@ -93,7 +93,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 
 
 def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
-    """``(config fields, pipeline keywords)`` the shared training flags map to."""
+    """``(config fields, pipeline keywords)`` the shared training flags map to; the data flags
+    become one ``TrainData`` (validated here, before any model is loaded)."""
+    from specdec.training.data import TrainData
+
     config = dict(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -104,8 +107,8 @@ def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
         max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
         seed=args.seed,
     )
-    pipeline = dict(
-        data=args.data,
+    data = TrainData(
+        files=args.data,
         self_distill_samples=args.self_distill,
         distill_prompts=args.distill_prompt,
         distill_tokens=args.distill_tokens,
@@ -114,6 +117,9 @@ def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
         max_bytes=args.max_bytes,
         val_prompts=args.val_prompt,
         val_tokens=args.val_tokens,
+    )
+    pipeline = dict(
+        data=data,
         dtype=args.dtype,
         device=args.device,
         features_dir=args.features,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 
@@ -14,6 +15,8 @@ from specdec.models.loading import load_model
 from specdec.proposers import MTPHead
 from specdec.training import (
     MTPTrainConfig,
+    TrainData,
+    build_chunks,
     compute_features,
     text_files,
     token_chunks,
@@ -103,6 +106,24 @@ def attrs_evolve(config, **changes):
     import attrs
 
     return attrs.evolve(config, **changes)
+
+
+def test_train_data_held_out_prompts_and_bad_input(stories_f32, tmp_path):
+    (tmp_path / "a.txt").write_text("abcdefghij" * 40)  # 400 tokens -> 12 chunks of 32
+    data = TrainData(files=[tmp_path / "a.txt"], chunk_len=32)
+    chunks, prompts = build_chunks(stories_f32, CharTokenizer(), data)
+    assert len(chunks) == 12 - 8 and all(len(c) == 32 for c in chunks)  # the last 8 are held out
+    assert len(prompts) == 8 and all(len(p) == 32 for p in prompts)  # their beginnings (<= 48 tokens)
+    custom = attrs.evolve(data, val_prompts=["x", [1, 2]])
+    assert build_chunks(stories_f32, CharTokenizer(), custom)[1] == ["x", [1, 2]]
+    with pytest.raises(ValueError, match="files .* or self_distill_samples"):
+        TrainData()
+    for bad in (dict(chunk_len=1), dict(max_chunks=0), dict(val_tokens=-2), dict(self_distill_samples=-1),
+                dict(distill_tokens=0), dict(max_bytes=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainData(files=["a"], **bad)
+    with pytest.raises(ValueError, match="only 4 chunks"):
+        build_chunks(stories_f32, CharTokenizer(), attrs.evolve(data, chunk_len=100))
 
 
 def test_bad_training_config():

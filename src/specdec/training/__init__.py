@@ -1,6 +1,6 @@
 """Training pipelines for proposer heads (MTP and EAGLE share the data, features and loop)."""
 
-from specdec.training.data import self_distill, text_files, token_chunks
+from specdec.training.data import TrainData, build_chunks, self_distill, text_files, token_chunks
 from specdec.training.eagle import EagleTrainConfig, EagleTrainResult, train_eagle
 from specdec.training.features import FeatureStore, compute_features
 from specdec.training.mtp import MTPTrainConfig, MTPTrainResult, train_mtp
@@ -11,6 +11,8 @@ __all__ = [
     "FeatureStore",
     "MTPTrainConfig",
     "MTPTrainResult",
+    "TrainData",
+    "build_chunks",
     "compute_features",
     "self_distill",
     "text_files",
