@@ -39,6 +39,7 @@ __all__ = [
     "AdaptivePolicy",
     "AdaptivePolicyConfig",
     "CostCurve",
+    "cost_bucket",
     "Extrapolation",
     "FixedPolicy",
     "acceptance_estimate",
@@ -94,6 +95,24 @@ def acceptance_estimate(
 
 # ----------------------------------------------------------------------------- cost curves
 
+EXACT_SIZES = 16  # sizes below this each get their own cost point
+
+
+def cost_bucket(size: float) -> int:
+    """The cost-curve bucket of ``size`` (>= 1): the size itself below :data:`EXACT_SIZES`,
+    one bucket per power of two above.
+
+    Why exact small sizes: a CPU matmul kernel works in blocks of rows (6 in specdec's bf16
+    kernel), so a pass's cost steps up between two row counts (6 -> 7 rows: 1.3x -> ~1.8x a
+    1-row pass); a bucket averaging 4-7 rows would price 7 rows like 6 and 5 like 6.
+
+    >>> [cost_bucket(s) for s in (1, 6, 7, 15, 16, 31, 32)]
+    [1, 6, 7, 15, 16, 16, 17]
+    """
+    if size < EXACT_SIZES:
+        return int(size)
+    return EXACT_SIZES + int(math.log2(size)) - int(math.log2(EXACT_SIZES))
+
 
 class Extrapolation(enum.Enum):
     """What a :class:`CostCurve` assumes past its largest measured point."""
@@ -105,8 +124,9 @@ class Extrapolation(enum.Enum):
 class CostCurve:
     """Seconds of an operation as a function of a size, learned from observations.
 
-    One exponential moving average of ``(size, seconds)`` per power-of-two bucket of sizes;
-    :meth:`estimate` interpolates linearly between the bucket points, made non-decreasing.
+    One exponential moving average of ``(size, seconds)`` per bucket of sizes (:func:`cost_bucket`:
+    each size below 16 alone, power-of-two buckets above); :meth:`estimate` interpolates
+    linearly between the bucket points, made non-decreasing.
     Below the smallest point the cost scales with the size (a lower bound when per-unit cost
     falls with size); above the largest it follows ``above``.
 
@@ -122,7 +142,7 @@ class CostCurve:
         >>> curve.observe(1, 0.150); curve.observe(64, 0.900)
         >>> round(curve.estimate(8), 3)
         0.233
-        >>> curve.estimate(8, optimistic=True)  # bucket 8-15 not measured yet
+        >>> curve.estimate(8, optimistic=True)  # 8 rows not measured yet
         0.15
     """
 
@@ -143,7 +163,7 @@ class CostCurve:
         """Fold one measurement in (sizes < 1 and non-finite or negative times are ignored)."""
         if size < 1 or not math.isfinite(seconds) or seconds < 0:
             return
-        bucket = int(math.log2(size))
+        bucket = cost_bucket(size)
         old = self._points.get(bucket)
         if old is None:
             self._points[bucket] = (float(size), float(seconds))
@@ -160,7 +180,7 @@ class CostCurve:
 
     def measured_at(self, size: float) -> bool:
         """Whether ``size``'s bucket has a measurement."""
-        return size >= 1 and int(math.log2(size)) in self._points
+        return size >= 1 and cost_bucket(size) in self._points
 
     def estimate(self, size: float, *, optimistic: bool = False) -> float:
         """Estimated seconds at ``size``; 0.0 before any observation. ``optimistic``: an
