@@ -217,6 +217,8 @@ def _parser() -> argparse.ArgumentParser:
     eagle.add_argument("--token-loss-weight", type=float, default=0.1, help="EAGLE-1 cross-entropy weight")
     eagle.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
     eagle.add_argument("--init-from-last-layer", action="store_true", help="start the layer from the target's last layer")
+    eagle.add_argument("--freeze-lm-head", action="store_true",
+                       help="EAGLE-3: keep the head's LM head and norm (the target's) fixed")
     eagle.add_argument("--top-k", type=_positive_int, default=4, help="validation tree: children per node")
     eagle.add_argument("--depth", type=_positive_int, default=5, help="validation tree: depth")
     eagle.add_argument("--num-verify-tokens", type=_positive_int, default=16, help="validation tree: nodes verified")
@@ -285,6 +287,7 @@ def _train_eagle(args: argparse.Namespace) -> int:
         token_loss_weight=args.token_loss_weight,
         noise=args.noise,
         init_from_last_layer=args.init_from_last_layer,
+        freeze_lm_head=args.freeze_lm_head,
         **fields,
     )
     train_eagle_pipeline(args.target, args.out, top_k=args.top_k, depth=args.depth,

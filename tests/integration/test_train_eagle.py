@@ -184,6 +184,22 @@ def test_eagle3_training_learns_over_its_draft_vocabulary(stories_f32, distilled
         )
 
 
+def test_frozen_lm_head_stays_the_targets_rows(stories_f32, distilled, tmp_path):
+    config = EagleTrainConfig(**E3, ttt_steps=2, steps=3, batch_size=4, lr=3e-3, warmup_steps=1,
+                              val_every=1000, freeze_lm_head=True)  # fmt: skip
+    store = compute_features(stories_f32, distilled[:16], tmp_path / "f",
+                             layers=eagle_feature_layers(stories_f32, config), log=None)  # fmt: skip
+    head = train_eagle(stories_f32, store, config, tmp_path / "head", log=None).head
+    ids = head.draft_to_target
+    assert torch.equal(head.lm_head.weight, stories_f32.lm_head.weight.float()[ids])
+    assert torch.equal(head.norm.weight, stories_f32.norm.weight.float())
+    trained = train_eagle(stories_f32, store, attrs.evolve(config, freeze_lm_head=False), tmp_path / "free",
+                          log=None).head  # fmt: skip
+    assert not torch.equal(trained.lm_head.weight, stories_f32.lm_head.weight.float()[ids])
+    with pytest.raises(ValueError, match="freeze_lm_head"):
+        EagleTrainConfig(freeze_lm_head=True)  # EAGLE-1
+
+
 def test_bad_training_config(stories_f32):
     with pytest.raises(ValueError, match="steps"):
         EagleTrainConfig(steps=0)
