@@ -12,11 +12,12 @@
 //   1. s_j = sm_scale * dot(q, k_j): eight-lane FMA chains over d in a layout fixed by D (bf16
 //      pages are read sixteen at a time as even and odd elements, with q permuted to match).
 //   2. m = max_j s_j (exact in any order).
-//   3. p_j = exp(s_j - m) in blocks of eight slots by absolute slot index; hidden slots and the
-//      padding up to a multiple of eight give an exact 0, so they change no partial sum. The
-//      sum l = sum_j p_j keeps one lane per j mod 8, so a decode row (kv_len = its slot + 1)
-//      and the same row in a verify pass (larger kv_len, later slots hidden) add the same
-//      numbers in the same order.
+//   3. p_j = exp(s_j - m) over the row's visible slots only, in blocks of eight by the slot's
+//      rank among them; the padding up to a multiple of eight gives an exact 0. The sum
+//      l = sum_j p_j keeps one lane per rank mod 8, so a decode row (kv_len = its slot + 1), the
+//      same row in a verify pass (later slots hidden) and a tree node (its ancestors sit after
+//      siblings, in other slots than once its path is committed) add the same numbers in the
+//      same order. (Lanes by absolute slot broke that for trees.)
 //   4. out_d = (sum_j p_j v_j,d) / l: one sequential FMA chain per d over visible j ascending.
 // Up to three query heads sharing a KV head run together, so each K and V block is loaded and
 // converted once for all of them; each head's arithmetic is exactly what it would be alone.
@@ -210,6 +211,7 @@ struct Heads {
   float* p;               // [Q, padded] scratch: scores, then softmax weights
   int64_t padded;         // kv_len rounded up to a multiple of 8
   float* acc;             // [Q, D] scratch: the weighted sums, arranged
+  int64_t* ranked;        // [kv_len] scratch: the pool slots of the visible slots, in order
 };
 
 // Whether any of Q heads gives slot j a non-zero weight (p: [Q, padded]).
@@ -279,15 +281,24 @@ void weighted_tail(const Heads<T>& h, int64_t d) {
 
 // The outputs of Q heads of one row, [Q, D] float32 at out.
 template <typename T, int Q>
-void attend(const Heads<T>& h, float* out) {
+void attend(const Heads<T>& all, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // Only the visible slots, in order: from here on a slot's index is its rank among them.
+  Heads<T> h = all;
+  if (all.visible != nullptr) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < all.kv_len; ++j)
+      if (all.visible[j]) all.ranked[n++] = all.gather[j];
+    h.gather = all.ranked;
+    h.kv_len = n;
+    h.visible = nullptr;
+  }
   float m[Q], s[Q];
   for (int i = 0; i < Q; ++i) m[i] = neg_inf;
   for (int64_t j = 0; j < h.kv_len; ++j) {
-    const bool hidden = h.visible != nullptr && !h.visible[j];
-    if (!hidden) dots<T, Q>(h.q, h.k + h.gather[j] * h.slot_stride, h.D, s);
+    dots<T, Q>(h.q, h.k + h.gather[j] * h.slot_stride, h.D, s);
     for (int i = 0; i < Q; ++i) {
-      h.p[i * h.padded + j] = hidden ? neg_inf : h.sm_scale * s[i];
+      h.p[i * h.padded + j] = h.sm_scale * s[i];
       m[i] = std::max(m[i], h.p[i * h.padded + j]);
     }
   }
@@ -433,6 +444,7 @@ void run_all(const torch::Tensor& q32, const torch::Tensor& k_slots, const torch
   // count) nor the batch can change a result.
   at::parallel_for(0, q32.size(0) * Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(kMaxHeads * padded), acc(kMaxHeads * D), q(kMaxHeads * D);
+    std::vector<int64_t> ranked(max_kv);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / (Hkv * chunks), g = task / chunks % Hkv, c = task % chunks;
       const int64_t Q = group / chunks + (c < group % chunks ? 1 : 0);
@@ -450,7 +462,8 @@ void run_all(const torch::Tensor& q32, const torch::Tensor& k_slots, const torch
                            D,
                            p.data(),
                            (lens[b] + kLanes - 1) / kLanes * kLanes,
-                           acc.data()};
+                           acc.data(),
+                           ranked.data()};
       float* o = op + row * D;
       if (Q == 1) attend<T, 1>(heads, o);
       else if (Q == 2) attend<T, 2>(heads, o);
