@@ -385,6 +385,7 @@ def _specdec_eagle(
 ) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import EAGLETree
+    from specdec.proposers.tree_shape import TreeShape
     from specdec.training.eagle import chain_tree
 
     if pool.eagle_head is None:
@@ -393,7 +394,7 @@ def _specdec_eagle(
     # The dynamic tree grows --tree-top-k children per node to --tree-depth and the k best
     # nodes are verified (EAGLE-2: a tree smaller than its expansions keeps the best of them);
     # a chain is the static tree of k drafts, each the best child of the previous one.
-    nodes = max(k, pool.tree_top_k * (pool.tree_depth - 1) - 1)
+    nodes = max(k, TreeShape.min_verify_tokens(pool.tree_top_k, pool.tree_depth))
 
     def build():
         proposer = EAGLETree.from_pretrained(

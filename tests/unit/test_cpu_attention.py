@@ -309,7 +309,7 @@ def test_tree_row_bitwise_equals_its_path_decoded(dtype):
     torch.manual_seed(5)
     hq, hkv, d, prefix = 12, 2, 128, 37
     mismatches = 0
-    for trial in range(24):
+    for _ in range(24):
         n = prefix + 9  # the prefix, then 9 tree rows; the node at tree row 8 has ancestors 1, 4
         k_slots = torch.randn(n, hkv, d).to(dtype)
         v_slots = torch.randn(n, hkv, d).to(dtype)

@@ -71,6 +71,16 @@ class TreeShape:
                 "or depth, or raise num_verify_tokens"
             )
 
+    @staticmethod
+    def min_verify_tokens(top_k: int, depth: int) -> int:
+        """The fewest ``num_verify_tokens`` a dynamic tree of ``top_k`` and ``depth`` allows: its
+        expanded nodes' draft rows must fit in the verification slots.
+
+        >>> TreeShape.min_verify_tokens(4, 5)
+        15
+        """
+        return max(1, top_k * (depth - 1) - 1)
+
     @classmethod
     def static(cls, paths: Sequence[Sequence[int]]) -> TreeShape:
         return cls(paths=paths)
