@@ -200,6 +200,34 @@ def test_frozen_lm_head_stays_the_targets_rows(stories_f32, distilled, tmp_path)
         EagleTrainConfig(freeze_lm_head=True)  # EAGLE-1
 
 
+def test_eagle3_last_layer_init_passes_the_top_feature_to_the_last_layers_weights(stories_f32):
+    n, hidden = stories_f32.config.num_layers, stories_f32.config.hidden_size
+    config = EagleTrainConfig(kind=EagleKind.EAGLE3, target_layers=(3, n, 1), draft_vocab_size=300,
+                              init_from_last_layer=True)  # fmt: skip
+    head = new_eagle_head(stories_f32, config)
+    x = torch.randn(5, 3 * hidden)  # [rows, 3H] in the order of target_layers
+    assert torch.equal(head.target_feature(x), x[:, hidden : 2 * hidden])  # layer n, not the last slice
+    src = stories_f32.layers[-1]
+    qkv = head.layer.self_attn.qkv_proj.weight  # [q + 2 kv, 2H]
+    assert torch.equal(qkv[:, hidden:], src.self_attn.qkv_proj.weight.float())
+    assert qkv[:, :hidden].abs().sum() > 0  # the token half keeps its random init
+    assert torch.equal(head.layer.mlp.down_proj.weight, src.mlp.down_proj.weight.float())
+    assert torch.equal(head.layer.hidden_norm.weight, src.input_layernorm.weight.float())
+    # With the token half silenced, the head's step is the target's last layer on its top
+    # feature: one row attends only to itself, so attention is its own V.
+    with torch.no_grad():
+        qkv[:, :hidden].zero_()
+    h = torch.randn(1, 1, hidden)
+    out = head.forward_dense(head.target_feature(torch.cat((0 * h, h, 0 * h), dim=-1)), torch.tensor([[5]]))
+    attn = src.self_attn
+    v = src.self_attn.qkv_proj(src.input_layernorm(h))[..., attn.q_size + attn.kv_size :]
+    v = v.view(1, 1, attn.num_kv_heads, attn.head_dim).repeat_interleave(
+        attn.num_heads // attn.num_kv_heads, dim=2).reshape(1, 1, attn.q_size)  # fmt: skip
+    mid = h + attn.o_proj(v)
+    ref = mid + src.mlp(src.post_attention_layernorm(mid))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_training_config(stories_f32):
     with pytest.raises(ValueError, match="steps"):
         EagleTrainConfig(steps=0)

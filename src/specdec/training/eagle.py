@@ -186,7 +186,8 @@ def new_eagle_head(
 ) -> EagleHeadModel:
     """A float32 head. ``init_from_last_layer`` copies the target's last layer where shapes agree
     (EAGLE-1: the whole layer, and ``fc`` starts as the identity on the feature; EAGLE-3: o_proj,
-    MLP, norms); an EAGLE-3 head's ``lm_head`` starts as the target's rows of ``draft_ids``
+    MLP, norms, the feature half of qkv_proj, and ``fc`` passing the top target layer through);
+    an EAGLE-3 head's ``lm_head`` starts as the target's rows of ``draft_ids``
     (``[draft_vocab] int64`` sorted target ids; default the first ids) and its ``norm`` as the
     target's final norm (both kept fixed with ``freeze_lm_head``)."""
     torch.manual_seed(config.seed)
@@ -209,7 +210,26 @@ def new_eagle_head(
                 head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
                 if head.fc.bias is not None:
                     head.fc.bias.zero_()
+            else:
+                _init_eagle3_from_last_layer(head, target)
     return head.train()
+
+
+def _init_eagle3_from_last_layer(head: EagleHeadModel, target: LlamaModel) -> None:
+    """Start an EAGLE-3 head as "the target's last layer once more, on the top feature": ``fc``
+    passes the highest of ``target_layers`` through (the others start at zero; they still get
+    gradients) and the feature half of ``qkv_proj`` is the last layer's q/k/v. The token half
+    keeps its random init, as an MTP head's projection does. With ``target_layers`` ending at
+    ``num_layers`` the head's outputs then live in the space of the target's last hidden state,
+    which is also what it feeds itself while drafting; a random ``fc`` and ``qkv_proj`` (the
+    default) make a short run on a large target learn that space from scratch."""
+    hidden = target.config.hidden_size
+    layers = head.config.target_layers
+    top = layers.index(max(layers))  # the slice of fc's input that holds the highest layer
+    head.fc.weight.zero_()
+    head.fc.weight[:, top * hidden : (top + 1) * hidden].copy_(torch.eye(hidden))
+    qkv = head.layer.self_attn.qkv_proj.weight  # [q + 2 kv, 2H]: [embedding ; feature] columns
+    qkv[:, hidden:].copy_(linear_weights(target.layers[-1].self_attn.qkv_proj)[0].float())
 
 
 def _copy_last_layer(head: EagleHeadModel, target: LlamaModel) -> None:
