@@ -385,18 +385,26 @@ class EagleHeadModel(nn.Module):
         x = self.fc(torch.cat((emb, feature), dim=-1))
         return (layer.input_layernorm(x) if self.config.input_norm else x), x
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """``[rows, hidden] -> [rows, target vocab]`` float32 (float64 kept); EAGLE-3 gives
-        ``-inf`` to target tokens outside its draft vocabulary."""
+    def draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden] -> [rows, draft vocab]`` float32 (float64 kept): column ``j`` is
+        target token ``draft_to_target[j]``. Drafting ranks these; spreading them over the whole
+        target vocabulary (:meth:`logits`) would make every top-k and softmax ~19x wider on a
+        Qwen target with an 8k draft vocabulary."""
         if self.config.kind is EagleKind.EAGLE1:
             out = self.target.lm_head(g.to(self.target.dtype))
         else:
             out = self.lm_head(self.norm(g))
-            vocab = self.target_config.vocab_size
-            if self.config.draft_vocab_size != vocab:
-                full = out.new_full((out.shape[0], vocab), float("-inf"))
-                out = full.index_copy_(1, self.draft_to_target, out)
         return out if out.dtype == torch.float64 else out.float()
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """``[rows, hidden] -> [rows, target vocab]`` float32 (float64 kept); EAGLE-3 gives
+        ``-inf`` to target tokens outside its draft vocabulary."""
+        out = self.draft_logits(g)
+        vocab = self.target_config.vocab_size
+        if self.config.draft_vocab_size != vocab:
+            full = out.new_full((out.shape[0], vocab), float("-inf"))
+            out = full.index_copy_(1, self.draft_to_target, out)
+        return out
 
     @torch.inference_mode()
     def forward(

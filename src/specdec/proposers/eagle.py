@@ -170,19 +170,20 @@ class EAGLETree:
         root_g = torch.stack([self._g[s] for s in seq_ids])  # [batch, hidden]
         expanded: list[list[int]] = [[] for _ in seq_ids]  # per sequence: nodes with a head row
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in seq_ids]  # node -> [hidden] g
+        ids = head.draft_to_target  # [draft_vocab] target id of each draft logit
         for depth in range(1, max_depth + 1):
             plans = [expansions(self.shape, nodes, depth) for nodes in trees]
             if not any(plans):
                 break
             if depth == 1:
-                logits = head.logits(root_g)  # [batch, vocab]: the root's children
+                logits = head.draft_logits(root_g)  # [batch, draft vocab]: the root's children
             else:
                 for e, plan in zip(expanded, plans):
                     e.extend(i for i, _ in plan)
                 self._head_rows(seq_ids, roots, trees, expanded, root_g, outputs, kv, backend)
                 g = torch.stack([out[i] for out, plan in zip(outputs, plans) for i, _ in plan])
-                logits = head.logits(g)  # [expanded this depth, vocab]
-            _add_children(trees, plans, logits, depth)
+                logits = head.draft_logits(g)  # [expanded this depth, draft vocab]
+            _add_children(trees, plans, logits, ids, depth)
         return trees
 
     def _head_rows(self, seq_ids, roots, trees, expanded, root_g, outputs, kv, backend) -> None:
@@ -229,17 +230,20 @@ class EAGLETree:
         self._g.pop(seq_id, None)
 
 
-def _add_children(trees: list[list[Node]], plans, logits: torch.Tensor, depth: int) -> None:
+def _add_children(
+    trees: list[list[Node]], plans, logits: torch.Tensor, ids: torch.Tensor, depth: int
+) -> None:
     """Each expanded node's children take the tokens of the ranks its plan asks for.
 
-    ``logits`` ``[rows, vocab]``: one row per expanded node, in plan order over the batch.
+    ``logits`` ``[rows, draft vocab]``: one row per expanded node, in plan order over the batch;
+    ``ids`` ``[draft vocab]``: the target token of each column.
     """
     width = max((max(r) + 1 for plan in plans for _, r in plan if r), default=0)
     if width == 0:
         return
-    logp = torch.log_softmax(logits.float(), dim=-1).clamp_max(0.0)  # [rows, vocab]
-    top_lp, top_ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [rows, width]
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()  # host copies: the tree is host data
+    logp = torch.log_softmax(logits.float(), dim=-1).clamp_max(0.0)  # [rows, draft vocab]
+    top_lp, top_cols = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [rows, width]
+    top_lp, top_ids = top_lp.tolist(), ids[top_cols].tolist()  # host copies: the tree is host data
     row = 0
     for nodes, plan in zip(trees, plans):
         for parent, ranks in plan:
