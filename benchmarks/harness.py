@@ -134,6 +134,7 @@ class RunStats:
     num_emitted_in_verify: int = 0
     accepted_per_position: list[int] | None = None
     drafted_per_position: list[int] | None = None
+    k_histogram: dict[int, int] | None = None  # decode steps per k the policy chose (specdec)
 
 
 class SpecdecRunner:
@@ -175,6 +176,7 @@ class SpecdecRunner:
             num_emitted_in_verify=total.num_emitted_in_verify,
             accepted_per_position=list(total.accepted_per_position),
             drafted_per_position=list(total.drafted_per_position),
+            k_histogram=dict(sorted(total.k_histogram.items())),
         )
 
 
@@ -803,6 +805,7 @@ def _timed_run(
         "accepted_per_position": stats.accepted_per_position,
         "drafted_per_position": stats.drafted_per_position,
         "per_position_acceptance": _ratios(stats.accepted_per_position, stats.drafted_per_position),
+        "k_histogram": stats.k_histogram,
         "output_token_ids": stats.outputs,
     }
 
@@ -908,6 +911,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 if drafted
                 else None,
                 "per_position_acceptance": _ratios(acc_pos, draft_pos),
+                "k_histogram": _sum_histograms(rs),
                 "matches_plain": all(checked) if checked else None,
                 "num_mismatched_runs": checked.count(False),
                 "matches_own_plain": all(own) if own else None,
@@ -953,6 +957,18 @@ def _paired_bound_seconds(rs: list[dict]) -> list[tuple[float, float]] | None:
     return pairs or None
 
 
+def _sum_histograms(rs: list[dict]) -> dict[int, int] | None:
+    """The runs' k histograms added up (``None`` for systems without one: transformers)."""
+    hists = [r.get("k_histogram") for r in rs if r.get("k_histogram") is not None]
+    if not hists:
+        return None
+    total: dict[int, int] = {}
+    for h in hists:
+        for k, n in h.items():
+            total[int(k)] = total.get(int(k), 0) + n
+    return dict(sorted(total.items()))
+
+
 def _sum_positions(rs: list[dict]) -> tuple[list[int] | None, list[int] | None]:
     if any(r["accepted_per_position"] is None for r in rs):
         return None, None
@@ -996,7 +1012,7 @@ def markdown_table(summary: list[dict]) -> str:
             f"{s['temperature']:g}",
             str(s["batch_size"]),
             s["system"],
-            "-" if s["k"] is None else str(s["k"]),
+            _k_cell(s),
             f"{s['median_tokens_per_s']:.2f}",
             _ratio(s["speedup_vs_specdec_plain"], bad and s["system"] != REFERENCE),
             _ratio(s["speedup_vs_hf_plain"], bad and s["system"] != HF_REFERENCE),
@@ -1008,6 +1024,18 @@ def markdown_table(summary: list[dict]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _k_cell(s: dict) -> str:
+    """The k column: the fixed k, or for adaptive systems their cap and the mean k chosen per
+    decode step (0 = a plain step), so a table shows what the policy did."""
+    if s["k"] is None:
+        return "-"
+    hist = s.get("k_histogram")
+    if not s["system"].endswith("adaptive") or not hist:
+        return str(s["k"])
+    steps = sum(hist.values())
+    return f"<= {s['k']} (mean {sum(int(k) * n for k, n in hist.items()) / steps:.1f})"
 
 
 def _match_cell(s: dict) -> str:

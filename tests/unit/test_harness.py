@@ -95,6 +95,14 @@ def test_acceptance_metrics(result):
         if r["system"] == "specdec-draft":
             assert len(r["per_position_acceptance"]) == 2
             assert r["per_position_acceptance"][0] == 1.0
+            # The policy's choices (JSON keys are strings): the fixed k in every verify step, 0
+            # where a plain step was taken (one token left to generate).
+            hist = {int(k): n for k, n in r["k_histogram"].items()}
+            assert set(hist) <= {0, 2} and hist[2] == r["num_verify_steps"]
+        if r["system"] == "specdec-plain":
+            assert set(r["k_histogram"]) <= {"0"}
+        if r["system"].startswith("hf-"):
+            assert r["k_histogram"] is None
         if r["system"] == "hf-assisted":
             assert r["acceptance_rate"] == 1.0
         if r["system"] in ("specdec-eagle", "specdec-eagle-tree"):
