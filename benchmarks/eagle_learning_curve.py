@@ -7,7 +7,7 @@ training tokens the head has seen (steps x batch x chunk length), a fit ``L = a 
 through the points, and the projection:
 
 - the accepted length the tree needs to match the draft model's tokens/s on that target, from
-  the harness run: ``L* = draft tokens/s x (seconds per tree step)``, where the tree's seconds
+  the harness row of the same tree (``--tree-k`` nodes, the validated tree's size): ``L* = draft tokens/s x (seconds per tree step)``, where the tree's seconds
   per verify step are its measured ``mean accepted length / tokens/s`` (the tree's per-step
   cost does not depend on how good the head is);
 - the tokens at which the fit reaches ``L*``.
@@ -50,9 +50,12 @@ def log_fit(points: list[dict]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def needed_length(summary: list[dict], tree_system: str, draft_system: str) -> dict | None:
-    """The tree's accepted length that matches the best draft-model row in a harness summary."""
-    trees = [s for s in summary if s["system"] == tree_system and s.get("mean_accepted_length")]
+def needed_length(summary: list[dict], tree_system: str, draft_system: str, tree_k: int) -> dict | None:
+    """The accepted length the ``tree_k``-node tree needs to match the best draft-model row of a
+    harness summary. ``tree_k`` must be the node count of the tree the curve was validated with:
+    a smaller tree's cheaper step against a larger tree's acceptance would compare unequal work.
+    ``None`` if the summary lacks that tree or the draft model."""
+    trees = [s for s in summary if s["system"] == tree_system and s["k"] == tree_k and s.get("mean_accepted_length")]
     drafts = [s for s in summary if s["system"] == draft_system]
     if not trees or not drafts:
         return None
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--harness", help="harness JSON with the tree and the draft model on one target")
     ap.add_argument("--tree-system", default="specdec-eagle-tree")
     ap.add_argument("--draft-system", default="specdec-draft")
+    ap.add_argument("--tree-k", type=int, default=16,
+                    help="node count of the tree the training validated (train-eagle --num-verify-tokens)")
     ap.add_argument("--out", default="eagle-learning-curve")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -89,8 +94,12 @@ def main(argv: list[str] | None = None) -> Path:
     }  # fmt: skip
     if args.harness:
         need = needed_length(json.loads(Path(args.harness).read_text())["summary"], args.tree_system,
-                             args.draft_system)
-        if need is not None:
+                             args.draft_system, args.tree_k)
+        if need is None:
+            payload["projection"] = None
+            print(f"--harness has no {args.tree_system} row with k = {args.tree_k} (the validated tree) "
+                  f"and a {args.draft_system} row: no projection")
+        else:
             target = need["needed_mean_accepted_length"]
             need["harness"] = args.harness
             need["projected_tokens"] = math.exp((target - a) / b) if b > 0 else None

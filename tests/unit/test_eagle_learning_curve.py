@@ -27,16 +27,19 @@ def test_points_fit_and_projection(tmp_path):
         {"system": "specdec-eagle-tree", "k": 16, "median_tokens_per_s": 8.0, "mean_accepted_length": 2.2},
         {"system": "specdec-draft", "k": 4, "median_tokens_per_s": 15.0, "mean_accepted_length": 4.0},
     ]
-    need = lc.needed_length(summary, "specdec-eagle-tree", "specdec-draft")
-    # The faster tree (k = 8) takes 0.2 s a step: 15 tok/s needs 3 tokens a step.
+    need = lc.needed_length(summary, "specdec-eagle-tree", "specdec-draft", 8)
+    # The 8-node tree takes 0.2 s a step: 15 tok/s needs 3 tokens a step.
     assert need["tree_k"] == 8 and need["needed_mean_accepted_length"] == pytest.approx(3.0)
-    assert lc.needed_length(summary, "specdec-eagle-tree", "hf-assisted") is None
+    # The 16-node tree the curve validated is slower (0.275 s a step), not the faster 8-node one.
+    assert lc.needed_length(summary, "specdec-eagle-tree", "specdec-draft", 16)["needed_mean_accepted_length"] == pytest.approx(4.125)
+    assert lc.needed_length(summary, "specdec-eagle-tree", "hf-assisted", 8) is None
+    assert lc.needed_length(summary, "specdec-eagle-tree", "specdec-draft", 4) is None
     log = tmp_path / "train_log.json"
     log.write_text(json.dumps(_log([(1, 1.0), (2, 1.0 + 0.5 * math.log(2)), (4, 1.0 + 0.5 * math.log(4))])))
     harness = tmp_path / "h.json"
     harness.write_text(json.dumps({"summary": summary}))
     pytest.importorskip("matplotlib")
-    path = lc.main(["--train-log", str(log), "--harness", str(harness), "--out", "lc", "--out-dir", str(tmp_path)])
+    path = lc.main(["--train-log", str(log), "--harness", str(harness), "--tree-k", "8", "--out", "lc", "--out-dir", str(tmp_path)])
     payload = json.loads(path.read_text())
     # 1 + 0.5 ln(t / 1024) = 3  ->  t = 1024 e^4
     assert payload["projection"]["projected_tokens"] == pytest.approx(1024 * math.exp(4))
