@@ -1032,7 +1032,8 @@ def _k_cell(s: dict) -> str:
     if s["k"] is None:
         return "-"
     hist = s.get("k_histogram")
-    if not s["system"].endswith("adaptive") or not hist:
+    system = SYSTEMS.get(s["system"])
+    if system is None or not system.largest_k_only or not hist:
         return str(s["k"])
     steps = sum(hist.values())
     return f"<= {s['k']} (mean {sum(int(k) * n for k, n in hist.items()) / steps:.1f})"
