@@ -8,6 +8,7 @@ outputs are checked token for token against specdec-plain (``matches_plain``).
 
     python -m benchmarks.harness                                  # the README table
     python -m benchmarks.harness --preset cpu                     # the CPU speed table (issue 12)
+    python -m benchmarks.harness --preset quant                   # bf16 / int8 / 4-bit targets (issue 17)
     python -m benchmarks.harness --systems specdec-plain,specdec-draft --k 2,4,8 --num-prompts 5
     python -m benchmarks.plots benchmarks/results/harness-latest.json   # re-plot a result
 
@@ -26,6 +27,10 @@ Systems:
                     k best nodes verified every step (k = tree size)
     specdec-eagle-adaptive  the dynamic tree under the default AdaptivePolicy (at most k nodes),
                     a fresh Generator at the start of every repeat
+    specdec-int8-plain, specdec-q4-plain  the target's linear layers stored as int8 / 4-bit
+                    (another model: its greedy output is checked against its own plain decoder)
+    specdec-int8-draft, specdec-q4-draft  the same target with a draft model stored in the
+                    same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
@@ -280,17 +285,26 @@ class ModelPool:
         self.tree_depth = 5
         self.draft_quantization: str | None = None
         self._drafts: dict[str | None, object] = {}
+        self._targets: dict[str | None, object] = {}
         self.dtype = dtype
         self.cache_config = cache_config
         self.tokenizer = tokenizer
 
     @functools.cached_property
     def specdec_plain(self):
+        return self.specdec_target(None)
+
+    def specdec_target(self, quantization: str | None):
+        """The plain specdec generator of the target with ``quantization`` (``None``: ``dtype``
+        weights), loaded once."""
         from specdec import Generator
 
-        return Generator.from_pretrained(
-            self.target_path, dtype=self.dtype, cache_config=self.cache_config
-        )
+        if quantization not in self._targets:
+            self._targets[quantization] = Generator.from_pretrained(
+                self.target_path, dtype=self.dtype, cache_config=self.cache_config,
+                quantization=quantization,
+            )  # fmt: skip
+        return self._targets[quantization]
 
     @property
     def specdec_draft_model(self):
@@ -307,10 +321,10 @@ class ModelPool:
             ).model
         return self._drafts[quantization]
 
-    def specdec_generator(self, proposer, policy=None):
-        """A generator on the shared target with ``proposer`` (``None``: plain), its own KV and
-        ``policy`` (``None``: the default adaptive policy)."""
-        return self.specdec_plain.with_proposer(
+    def specdec_generator(self, proposer, policy=None, quantization: str | None = None):
+        """A generator on the shared target (stored with ``quantization``) with ``proposer``
+        (``None``: plain), its own KV and ``policy`` (``None``: the default adaptive policy)."""
+        return self.specdec_target(quantization).with_proposer(
             proposer, cache_config=self.cache_config, policy=policy
         )
 
@@ -361,6 +375,49 @@ def _specdec_draft(
         )
 
     return SpecdecRunner(build(), fresh=build if adaptive else None)
+
+
+def _specdec_quantized(
+    pool: ModelPool, k: int | None, *, quantization: str, draft: bool = False, adaptive: bool = False
+) -> SpecdecRunner:
+    """A target stored with ``quantization``, plain or with a draft model stored the same way
+    (the fastest draft for a quantized target: what a user of that format would run)."""
+    from specdec import FixedPolicy
+    from specdec.proposers import DraftModel
+
+    if not draft:
+        return SpecdecRunner(pool.specdec_generator(None, quantization=quantization))
+    model = pool.draft_model(quantization)
+
+    def build():
+        return pool.specdec_generator(
+            DraftModel.from_model(model, num_speculative_tokens=k),
+            policy=None if adaptive else FixedPolicy(k),
+            quantization=quantization,
+        )
+
+    return SpecdecRunner(build(), fresh=build if adaptive else None)
+
+
+def _quantized_systems(quantization: str) -> tuple[System, ...]:
+    plain = f"specdec-{quantization}-plain"
+    build = functools.partial(_specdec_quantized, quantization=quantization)
+    return (
+        System(name=plain, build=build, speculative=False, plain=plain),
+        System(
+            name=f"specdec-{quantization}-draft",
+            build=functools.partial(build, draft=True),
+            speculative=True,
+            plain=plain,
+        ),
+        System(
+            name=f"specdec-{quantization}-draft-adaptive",
+            build=functools.partial(build, draft=True, adaptive=True),
+            speculative=True,
+            plain=plain,
+            largest_k_only=True,
+        ),
+    )
 
 
 def _specdec_lookup(pool: ModelPool, k: int | None) -> SpecdecRunner:
@@ -507,6 +564,8 @@ SYSTEMS = {
             plain=REFERENCE,
             largest_k_only=True,
         ),
+        *_quantized_systems("int8"),
+        *_quantized_systems("q4"),
         System(name=HF_REFERENCE, build=_hf_plain, speculative=False, plain=HF_REFERENCE),
         System(
             name="hf-assisted",
@@ -534,7 +593,7 @@ class HarnessConfig:
     systems: tuple[str, ...] = tuple(
         n
         for n in SYSTEMS
-        if not n.startswith(("specdec-mtp", "specdec-eagle"))
+        if not n.startswith(("specdec-mtp", "specdec-eagle", "specdec-int8", "specdec-q4"))
         and n not in ("specdec-draft-adaptive", "specdec-draft-unquantized")
     )
     prompt_sets: tuple[str, ...] = ("humaneval",)
@@ -879,6 +938,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         med = medians[g + (system, k)]
         plain = medians.get(g + (REFERENCE, None))
         hf_plain = medians.get(g + (HF_REFERENCE, None))
+        own_plain = medians.get(g + (SYSTEMS[system].plain, None))
         twin_name = SYSTEMS[system].twin
         twin = medians.get(g + (twin_name, k)) if twin_name else None
         checked = [r["matches_plain"] for r in rs if r["matches_plain"] is not None]
@@ -898,6 +958,8 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "median_tokens_per_s": med,
                 "median_seconds": statistics.median(r["seconds"] for r in rs),
                 "speedup_vs_specdec_plain": med / plain if plain else None,
+                # over the plain decoder of its own stack and weights (a q4 system's: q4 plain)
+                "speedup_vs_own_plain": med / own_plain if own_plain else None,
                 "speedup_vs_hf_plain": med / hf_plain if hf_plain else None,
                 "twin": twin_name,
                 "vs_twin": med / twin if twin else None,
@@ -914,6 +976,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "k_histogram": _sum_histograms(rs),
                 "matches_plain": all(checked) if checked else None,
                 "num_mismatched_runs": checked.count(False),
+                "num_own_mismatched_runs": own.count(False),
                 "matches_own_plain": all(own) if own else None,
                 "decode_tokens_per_s": _decode_rate(rs),
                 "paired_decode_bound_seconds": _paired_bound_seconds(rs),
@@ -991,6 +1054,7 @@ TABLE_COLUMNS = (
     "tok/s",
     "× specdec-plain",
     "× hf-plain",
+    "× own plain",
     "specdec / HF twin",
     "mean acc. len",
     "acc. rate",
@@ -1005,7 +1069,8 @@ def markdown_table(summary: list[dict]) -> str:
     rounding differs between the stacks, not a speculation error)."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for s in summary:
-        bad = s["matches_plain"] is False
+        # A quantized system is another model: it must equal its own plain decoder, not bf16's.
+        bad = (s["matches_own_plain"] if _own_weights(s) else s["matches_plain"]) is False
         cells = [
             str(s["threads"]),
             s["prompt_set"],
@@ -1016,6 +1081,7 @@ def markdown_table(summary: list[dict]) -> str:
             f"{s['median_tokens_per_s']:.2f}",
             _ratio(s["speedup_vs_specdec_plain"], bad and s["system"] != REFERENCE),
             _ratio(s["speedup_vs_hf_plain"], bad and s["system"] != HF_REFERENCE),
+            _ratio(s.get("speedup_vs_own_plain"), bad) if _own_weights(s) else "",
             _ratio(s["vs_twin"], bad) if s["k"] is not None else "",
             _num(s["mean_accepted_length"]),
             _num(s["acceptance_rate"]),
@@ -1039,7 +1105,17 @@ def _k_cell(s: dict) -> str:
     return f"<= {s['k']} (mean {sum(int(k) * n for k, n in hist.items()) / steps:.1f})"
 
 
+def _own_weights(s: dict) -> bool:
+    """Whether the system's model differs from specdec-plain's (quantized weights)."""
+    return SYSTEMS[s["system"]].plain not in (REFERENCE, HF_REFERENCE)
+
+
 def _match_cell(s: dict) -> str:
+    if _own_weights(s):
+        if s["matches_own_plain"] is None:
+            return "n/a"
+        own = "yes" if s["matches_own_plain"] else f"NO ({s['num_own_mismatched_runs']}/{s['num_runs']})"
+        return f"{own} (own plain)"
     if s["matches_plain"] is None:
         return "n/a"
     if s["matches_plain"]:
@@ -1096,6 +1172,18 @@ PRESETS = {
         # One k where the k grid would cost an hour of transformers' decoding per k: the best
         # fixed k of the int8 draft on one thread (2026-12-01).
         system_ks={"specdec-draft-unquantized": (4,), "specdec-lookup": (4,), "hf-assisted": (4,)},
+        threads=(1, 2),
+        draft_quantization="int8",
+        num_prompts=10,
+        max_new_tokens=128,
+        repeats=1,
+    ),
+    # Issue 17's table: bf16, int8 and 4-bit targets, plain and with a draft of the same format.
+    "quant": dict(
+        systems=("specdec-plain", "specdec-draft", "specdec-int8-plain", "specdec-int8-draft",
+                 "specdec-q4-plain", "specdec-q4-draft", "specdec-q4-draft-adaptive"),
+        ks=(3, 4, 5),
+        system_ks={"specdec-draft": (4,), "specdec-int8-draft": (4,)},
         threads=(1, 2),
         draft_quantization="int8",
         num_prompts=10,

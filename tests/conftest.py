@@ -44,8 +44,8 @@ def kernel():
 
     if cpu_linear.kernel_available():
         return
-    if not cpu_linear._cpu_supports_avx2_fma():
-        pytest.skip("this CPU has no AVX2/FMA: the kernel is never used here")
+    if not cpu_linear._cpu_supports_avx2_fma_f16c():
+        pytest.skip("this CPU has no AVX2/FMA/F16C: the kernel is never used here")
     if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL"):
         pytest.skip("SPECDEC_DISABLE_CPU_KERNEL is set")
     if os.environ.get("SPECDEC_ALLOW_NO_KERNEL") == "1":
@@ -53,7 +53,7 @@ def kernel():
     try:
         cpu_linear._build_and_load()
     except Exception as err:  # noqa: BLE001 - reported as the failure
-        pytest.fail(f"the CPU kernel failed to build on an AVX2/FMA machine: {err}", pytrace=False)
+        pytest.fail(f"the CPU kernel failed to build on an AVX2/FMA/F16C machine: {err}", pytrace=False)
     pytest.fail("the CPU kernel was unavailable but then built: a flaky build?", pytrace=False)
 
 TINY_CONFIGS = {

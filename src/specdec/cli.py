@@ -155,9 +155,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree-depth", type=_positive_int, default=5, help="--eagle-head: tree depth")
     gen.add_argument(
         "--draft-quantization",
-        choices=("int8",),
+        choices=("int8", "q4"),
         default=None,
-        help="store the draft model's linear layers as int8 (CPU; faster drafting, same output)",
+        help="store the draft model's linear layers as int8 or 4-bit (CPU; faster drafting, "
+        "same output)",
+    )
+    gen.add_argument(
+        "--quantization",
+        choices=("int8", "q4"),
+        default=None,
+        help="store the target's linear layers as int8 or 4-bit (CPU; a smaller, faster model "
+        "with its own output, which speculation reproduces exactly)",
     )
     gen.add_argument(
         "--policy",
@@ -183,11 +191,18 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     demo.add_argument("--dtype", default="bfloat16")
     demo.add_argument(
+        "--quantization",
+        choices=("int8", "q4", "none"),
+        default="none",
+        help="the target's linear layers as int8 or 4-bit (a smaller model with its own output; "
+        "plain and speculative decoding both use it) or as --dtype (default)",
+    )
+    demo.add_argument(
         "--draft-quantization",
-        choices=("int8", "none"),
-        default="int8",
-        help="the draft's linear layers as int8 (default: twice fewer bytes to read per draft "
-        "token; the output is the target's either way) or as --dtype",
+        choices=("int8", "q4", "none"),
+        default=None,
+        help="the draft's linear layers (default: --quantization when set, else int8: fewer "
+        "bytes to read per draft token; the output is the target's either way)",
     )
     _add_threads_arg(demo)
     demo.add_argument(
@@ -336,8 +351,9 @@ def _generate(args: argparse.Namespace) -> int:
     fixed = proposer is not None and args.policy == "fixed"
     policy = proposer.num_speculative_tokens if fixed else None
     gen = Generator.from_pretrained(
-        args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy
-    )
+        args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy,
+        quantization=args.quantization,
+    )  # fmt: skip
     start = time.perf_counter()
     if args.stream:  # each prompt in turn, its text as it comes
         for prompt in args.prompt:

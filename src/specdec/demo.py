@@ -46,9 +46,10 @@ def run_demo(args: argparse.Namespace) -> int:
     draft_path = resolve_model(args.draft or DEFAULT_DRAFT)
     start = _stamp("fetch or find cached models", start, timings)
     cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
-    plain = Generator.from_pretrained(target_path, dtype=args.dtype, cache_config=cache)
-    quantization = getattr(args, "draft_quantization", "int8")
-    quantization = None if quantization == "none" else quantization
+    target_quantization, quantization = _quantizations(args)
+    plain = Generator.from_pretrained(
+        target_path, dtype=args.dtype, cache_config=cache, quantization=target_quantization
+    )
     draft = DraftModel.from_pretrained(draft_path, dtype=args.dtype, quantization=quantization).model
     # The adaptive policy by default: from a fresh Generator it tries speculating on its first
     # request (docs/concepts.md, "Choosing k") and lands within 5% of the best fixed k.
@@ -88,8 +89,9 @@ def run_demo(args: argparse.Namespace) -> int:
     print("=" * 72)
     mode = "adaptive, at most" if policy is None else "fixed"
     weights = f"{quantization} draft weights" if quantization else f"{args.dtype} draft weights"
-    print(f"target {target_path.name}, draft {draft_path.name} ({weights}), k={k} ({mode}), "
-          f"{args.dtype}, {torch.get_num_threads()} threads")
+    target_weights = f"{target_quantization} weights" if target_quantization else args.dtype
+    print(f"target {target_path.name} ({target_weights}), draft {draft_path.name} ({weights}), "
+          f"k={k} ({mode}), {torch.get_num_threads()} threads")
     print(f"plain decoding       {plain_tps:6.2f} tokens/s")
     print(f"speculative decoding {spec_tps:6.2f} tokens/s   speedup {spec_tps / plain_tps:.2f}x")
     print(f"acceptance rate {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}, "
@@ -97,6 +99,15 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"greedy outputs identical: {all_same}")
     print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     return 0 if all_same else 1
+
+
+def _quantizations(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """``(target, draft)`` weight formats: ``--quantization`` for the target (default: none);
+    ``--draft-quantization`` for the draft (default: the target's format, else int8)."""
+    target = getattr(args, "quantization", "none")
+    target = None if target in (None, "none") else target
+    draft = getattr(args, "draft_quantization", None) or target or "int8"
+    return target, None if draft == "none" else draft
 
 
 def _timed_pair(first, second, prompt: str, params, *, swap: bool):

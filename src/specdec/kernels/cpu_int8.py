@@ -1,24 +1,28 @@
 """Weight-only int8 linear layers for AVX2 CPUs, beside the pure-torch functions they match.
 
-A draft model at batch 1 spends its time reading weights; int8 weights with one float32 scale
-per output feature are half the bytes of bf16, and the packed kernel reads them in about 0.6x
-the time at one or two rows. Quantizing changes what the draft *proposes*, never what the
-generator *emits*: every verifier judges drafts against the target's exact distribution, using
-the draft's own (quantized) probabilities.
+Decoding reads every weight once per step; int8 weights with one float32 scale per output
+feature are half the bytes of bf16. :func:`quantize_int8` is symmetric per-row quantization;
+:func:`pack_int8` lays the int8 rows out for the kernel (``cpu_quantized.cpp``: panels of 8
+output features, groups of 32 inputs, 4 consecutive inputs of a feature side by side);
+:func:`int8_linear` runs it, or :func:`int8_linear_reference`, the specification.
 
-:func:`quantize_int8` is symmetric per-row quantization; :func:`pack_int8` lays the int8 rows out
-in panels of 16 output features, k-major (``[N/16, K, 16]``, natural feature order);
-:func:`int8_linear` runs the kernel (built with the bf16 one, see
-:mod:`specdec.kernels.cpu_linear`) or :func:`int8_linear_reference`, the specification.
+The kernel quantizes activations per row and group of 32 to int8
+(:func:`specdec.kernels.int8_activations.quantize_activations`) so its inner loop is an exact
+integer dot product; each row is computed on its own, so a row of a verify pass equals the same
+row decoded alone. Quantizing a draft changes what it *proposes*, never what the generator
+*emits* (verifiers judge drafts against the target's exact distribution).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.kernels.cpu_linear import PANEL, load_kernel
+from specdec.kernels.cpu_linear import load_kernel
+from specdec.kernels.int8_activations import GROUP, quantize_activations
 
 __all__ = ["quantize_int8", "pack_int8", "unpack_int8", "int8_linear", "int8_linear_reference"]
+
+FEATURES = 8  # output features per packed panel
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,49 +36,61 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[out, in]`` int8 + ``[out]`` scale -> ``[ceil(out/16), in, 16]`` int8 panels and the
-    scale padded to ``ceil(out/16) * 16`` (padding features are zero)."""
+    """``[out, in]`` int8 + ``[out]`` scale -> ``[ceil(out/8), ceil(in/32), 256]`` int8 panels
+    (byte ``32j + 4f + t`` of a panel's group: feature f, input ``4j + t`` of the group) and the
+    scale padded to ``ceil(out/8) * 8``. Padding features and inputs are zero."""
     out_features, in_features = q.shape
-    panels = -(-out_features // PANEL)
-    padded = q.new_zeros(panels * PANEL, in_features)
-    padded[:out_features] = q
-    scale_padded = scale.new_zeros(panels * PANEL)
+    panels, groups = -(-out_features // FEATURES), -(-in_features // GROUP)
+    padded = q.new_zeros(panels * FEATURES, groups * GROUP)
+    padded[:out_features, :in_features] = q
+    packed = padded.view(panels, FEATURES, groups, 8, 4).permute(0, 2, 3, 1, 4)  # [P, G, j, f, t]
+    scale_padded = scale.new_zeros(panels * FEATURES)
     scale_padded[:out_features] = scale
-    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous(), scale_padded
+    return packed.reshape(panels, groups, 256).contiguous(), scale_padded
 
 
-def unpack_int8(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int8` for the weights: ``[panels, in, 16]`` -> ``[out, in]``."""
-    panels, in_features, _ = packed.shape
-    return packed.transpose(1, 2).reshape(panels * PANEL, in_features)[:out_features]
+def unpack_int8(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8` for the weights: ``[panels, groups, 256]`` -> ``[out, in]``."""
+    panels, groups, _ = packed.shape
+    q = packed.view(panels, groups, 8, FEATURES, 4).permute(0, 3, 1, 2, 4)  # [P, f, G, j, t]
+    return q.reshape(panels * FEATURES, groups * GROUP)[:out_features, :in_features]
 
 
 def int8_linear_reference(
     x: torch.Tensor,  # [rows, in_features]
-    packed: torch.Tensor,  # [panels, in_features, 16] int8
-    scale: torch.Tensor,  # [panels * 16] float32
+    packed: torch.Tensor,  # [panels, groups, 256] int8
+    scale: torch.Tensor,  # [panels * 8] float32
     out_features: int,
 ) -> torch.Tensor:  # [rows, out_features] float32
-    """The specification: the float32 product with the int8 weights, scaled per feature."""
-    q = unpack_int8(packed, out_features).float()
-    return (x.float() @ q.T) * scale[:out_features]
+    """The specification: exact integer dots of the quantized activations with the int8
+    weights, ``sum over groups of dot * dx``, times the feature's scale (accumulated in float64
+    here; the kernel's float32 chain agrees to float32 rounding)."""
+    rows, in_features = x.shape
+    q = unpack_int8(packed, out_features, in_features)
+    xq, dx, _ = quantize_activations(x.float())
+    groups = xq.shape[1]
+    qg = torch.nn.functional.pad(q, (0, groups * GROUP - in_features)).view(out_features, groups, GROUP)
+    dots = torch.einsum("rgk,ngk->rng", xq.double(), qg.double())  # exact: |dot| < 2^19
+    return ((dots * dx.double().unsqueeze(1)).sum(-1) * scale[:out_features].double()).float()
 
 
 def int8_linear(
     x: torch.Tensor,  # [rows, in_features]
-    packed: torch.Tensor,  # [panels, in_features, 16] int8
-    scale: torch.Tensor,  # [panels * 16] float32
+    packed: torch.Tensor,  # [panels, groups, 256] int8
+    scale: torch.Tensor,  # [panels * 8] float32
     out_features: int,
     bias: torch.Tensor | None = None,  # [out_features] float32
     out_dtype: torch.dtype = torch.float32,
+    use_vnni: int = -1,
 ) -> torch.Tensor:  # [rows, out_features] out_dtype
-    """``(x @ (q * scale).T + bias)`` rounded to ``out_dtype``: the kernel, or the reference."""
+    """``(x @ (q * scale).T + bias)`` rounded to ``out_dtype``: the kernel (``use_vnni``: -1 by
+    the CPU, 0 AVX2 only, 1 AVX512-VNNI) or the reference where it is unavailable."""
     kernel = load_kernel()
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
         out = int8_linear_reference(x, packed, scale, out_features)
         return (out if bias is None else out + bias).to(out_dtype)
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
-    return kernel.packed_int8_linear_layer(
-        x.contiguous(), packed, scale, out_features, bias, out_dtype == torch.bfloat16
+    return kernel.int8_linear_layer(
+        x.contiguous(), packed, scale, out_features, bias, out_dtype == torch.bfloat16, use_vnni
     )

@@ -116,120 +116,7 @@ void panels_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* panel
   }
 }
 
-// ---------------------------------------------------------------------------- int8 weights
-// Weight-only int8 with one float32 scale per output feature: half the bytes of bf16, so a
-// memory-bound pass (1-2 rows) takes about 0.6x the time; the conversion (two instructions
-// per 8 weights) makes 4+ rows slower than bf16, so it suits a draft model at small batch.
-// Panels hold features in natural order ([N/16, K, 16] int8); the float32 chain over k is
-// scaled once at the end, so rows stay independent of the row count as above.
-constexpr int64_t kPrefetchRowsI8 = 512;  // 16-byte panel rows: 8 KiB ahead
-
-template <int MR, int NP, bool PREFETCH>
-void micro_i8(const float* x, int64_t K, const int8_t* panels, const float* scale, float* out,
-              int64_t ldo, int64_t panel0, int64_t N) {
-  __m256 acc[MR][2 * NP];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int t = 0; t < 2 * NP; ++t) acc[m][t] = _mm256_setzero_ps();
-  const int8_t* w[NP];
-#pragma GCC unroll 4
-  for (int j = 0; j < NP; ++j) w[j] = panels + (panel0 + j) * K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    if (PREFETCH && (k & 3) == 0) {
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w[j] + (k + kPrefetchRowsI8) * kPanel), _MM_HINT_T0);
-    }
-    __m256 wv[2 * NP];
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + k * kPanel));
-      wv[2 * j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-      wv[2 * j + 1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-#pragma GCC unroll 8
-      for (int t = 0; t < 2 * NP; ++t) acc[m][t] = _mm256_fmadd_ps(xb, wv[t], acc[m][t]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const int64_t n = (panel0 + j) * kPanel;
-      alignas(32) float tmp[kPanel];
-      _mm256_store_ps(tmp, _mm256_mul_ps(acc[m][2 * j], _mm256_loadu_ps(scale + n)));
-      _mm256_store_ps(tmp + 8, _mm256_mul_ps(acc[m][2 * j + 1], _mm256_loadu_ps(scale + n + 8)));
-      std::memcpy(out + m * ldo + n, tmp, sizeof(float) * std::min<int64_t>(kPanel, N - n));
-    }
-  }
-}
-
-template <int MR, int NP>
-void group_i8(bool first, const float* x, int64_t K, const int8_t* panels, const float* scale,
-              float* out, int64_t ldo, int64_t p, int64_t N) {
-  if (first) micro_i8<MR, NP, true>(x, K, panels, scale, out, ldo, p, N);
-  else micro_i8<MR, NP, false>(x, K, panels, scale, out, ldo, p, N);
-}
-
-template <int NP>
-void panels_all_rows_i8(const float* x, int64_t M, int64_t K, const int8_t* panels,
-                        const float* scale, float* out, int64_t ldo, int64_t p, int64_t N) {
-  for (int64_t m0 = 0; m0 < M; m0 += 6) {
-    const bool first = m0 == 0;
-    const float* xm = x + m0 * K;
-    float* om = out + m0 * ldo;
-    switch (std::min<int64_t>(6, M - m0)) {
-      case 1: group_i8<1, NP>(first, xm, K, panels, scale, om, ldo, p, N); break;
-      case 2: group_i8<2, NP>(first, xm, K, panels, scale, om, ldo, p, N); break;
-      case 3: group_i8<3, 1>(first, xm, K, panels, scale, om, ldo, p, N); break;
-      case 4: group_i8<4, 1>(first, xm, K, panels, scale, om, ldo, p, N); break;
-      case 5: group_i8<5, 1>(first, xm, K, panels, scale, om, ldo, p, N); break;
-      default: group_i8<6, 1>(first, xm, K, panels, scale, om, ldo, p, N); break;
-    }
-  }
-}
-
 }  // namespace
-
-// x: [M, K] float32 or bfloat16; packed: [ceil(N/16), K, 16] int8 (natural feature order);
-// scale: [ceil(N/16) * 16] float32; optional float32 bias [N]; returns [M, N] float32, or
-// bfloat16 when out_bf16.
-torch::Tensor packed_int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                                       int64_t N, c10::optional<torch::Tensor> bias,
-                                       bool out_bf16) {
-  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
-  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed must be int8");
-  TORCH_CHECK(packed.is_contiguous() && scale.is_contiguous(), "packed and scale must be contiguous");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == packed.size(0) * kPanel,
-              "scale must be float32 [panels * 16]");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
-              "out_features does not match the number of panels");
-  x = (x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32)).contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
-    int64_t p = p0;
-    if (M <= 2)
-      for (; p + 2 <= p1; p += 2) panels_all_rows_i8<2>(xp, M, K, wp, sp, op, N, p, N);
-    for (; p < p1; ++p) panels_all_rows_i8<1>(xp, M, K, wp, sp, op, N, p, N);
-  });
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
-                "bias must be float32 [out_features]");
-    out.add_(*bias);
-  }
-  return out_bf16 ? out.to(torch::kBFloat16) : out;
-}
 
 // x: [M, K] float32; packed: [ceil(N/16), K, 16] bfloat16 (see the packing order above);
 // returns [M, N] float32.
@@ -314,6 +201,14 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
                                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
+// cpu_quantized.cpp
+torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
+                              c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni);
+torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                                int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
+                                int64_t use_vnni);
+bool quantized_has_vnni();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm (see cpu_layer_ops.cpp)");
   m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
@@ -322,8 +217,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
   m.def("packed_linear_layer", &packed_linear_layer,
         "packed_bf16_linear + optional float32 bias + optional rounding to bfloat16");
-  m.def("packed_int8_linear_layer", &packed_int8_linear_layer,
-        "activations x packed int8 weights with per-feature scales (+ bias, bf16 rounding)");
+  m.def("q4_linear_layer", &q4_linear_layer,
+        "activations x packed 4-bit weights, int8 activations per group (cpu_quantized.cpp)");
+  m.def("int8_linear_layer", &int8_linear_layer,
+        "activations x packed int8 weights, int8 activations per group (cpu_quantized.cpp)");
+  m.def("quantized_has_vnni", &quantized_has_vnni,
+        "whether the int8 / q4 kernels can use AVX512-VNNI here");
   m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "float32 activations x packed bf16 weights (AVX2/FMA)");

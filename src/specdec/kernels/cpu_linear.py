@@ -6,7 +6,7 @@ cost k+1 decode steps. :func:`pack_weight` lays a ``[out, in]`` bf16 weight out 
 of 16 output features (same bytes, new order); :func:`packed_linear` multiplies float32
 activations with it through a small C++ kernel built on first use; :func:`packed_linear_reference`
 is the pure-torch specification (unpack, float32 matmul). When the kernel cannot be built
-(no AVX2/FMA, no compiler, ``SPECDEC_DISABLE_CPU_KERNEL=1``) :func:`load_kernel` returns ``None``
+(no AVX2/FMA/F16C, no compiler, ``SPECDEC_DISABLE_CPU_KERNEL=1``) :func:`load_kernel` returns ``None``
 and models keep ordinary ``nn.Linear`` layers. Nothing is compiled at import time.
 """
 
@@ -32,7 +32,7 @@ __all__ = [
 
 PANEL = 16
 # One extension: the bindings live in cpu_linear.cpp.
-_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")
+_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp")
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -65,18 +65,18 @@ def packed_linear_reference(
     return x.float() @ unpack_weight(packed, out_features).float().T
 
 
-def _cpu_supports_avx2_fma() -> bool:
+def _cpu_supports_avx2_fma_f16c() -> bool:
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return {"avx2", "fma"} <= flags
+    return {"avx2", "fma", "f16c"} <= flags
 
 
 @functools.cache
 def load_kernel() -> object | None:
     """Build (once per machine and torch version, cached on disk) and load the kernel."""
-    if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL") or not _cpu_supports_avx2_fma():
+    if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL") or not _cpu_supports_avx2_fma_f16c():
         return None
     try:  # everything, file I/O included: any failure falls back to the torch reference
         return _build_and_load()
@@ -108,7 +108,7 @@ def _build_and_load() -> object:
     return cpp_extension.load(
         name="specdec_cpu_kernels",
         sources=stable,
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-funroll-loops", "-fopenmp"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=False,

@@ -18,6 +18,7 @@ from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
 from specdec.models.packed_cache import load_packed, packed_cache_file, save_packed
+from specdec.models.quantized import check_quantization, quantize_linears
 
 __all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
 
@@ -179,36 +180,45 @@ def load_model(
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     pack: bool | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaModel, object, Path]:
     """Load ``source`` (HF directory, ``.gguf`` file, known name or hub id).
 
     ``pack`` swaps bf16 linear layers for the packed CPU kernel (``None``: when it helps,
-    see :func:`specdec.models.packed.should_pack`). Returns ``(model, hf_config, model_dir)``;
-    ``model_dir`` holds the tokenizer files.
+    see :func:`specdec.models.packed.should_pack`). ``quantization`` (``"int8"``, ``"q4"``; CPU)
+    stores every linear layer, LM head included, in that format instead (see
+    :mod:`specdec.models.quantized`). Packed and quantized models are cached on disk. Returns
+    ``(model, hf_config, model_dir)``; ``model_dir`` holds the tokenizer files.
     """
+    check_quantization(quantization, device)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = _resolve_source(source)
     if path.suffix == ".gguf":
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
-        if pack or (pack is None and should_pack(model)):
+        if quantization is not None:
+            quantize_linears(model, quantization)
+        elif pack or (pack is None and should_pack(model)):
             pack_linears(model)
         return _settled(model), hf_config, path
     hf_config = load_hf_config(path)
     cfg = ModelConfig.from_hf_config(hf_config)
     files = _safetensors_files(path)
-    wants_pack = pack if pack is not None else (
+    wants_pack = quantization is None and (pack if pack is not None else (
         torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and kernel_available()
-    )
-    cache_file = packed_cache_file(files) if wants_pack and torch_dtype == torch.bfloat16 else None
+    ))  # fmt: skip
+    cached_format = torch_dtype == torch.bfloat16 and (wants_pack or quantization is not None)
+    cache_file = packed_cache_file(files, quantization) if cached_format else None
     if cache_file is not None:
-        cached = load_packed(cfg, cache_file, torch_device)
+        cached = load_packed(cfg, cache_file, torch_device, quantization)
         if cached is not None:
             return _settled(cached), hf_config, path
     model = model_from_state_dict(cfg, _read_safetensors(files), dtype=torch_dtype, device=torch_device)
-    if wants_pack:
+    if quantization is not None:
+        quantize_linears(model, quantization)
+    elif wants_pack:
         pack_linears(model)
-        if cache_file is not None:
-            save_packed(model, cache_file)
+    if cache_file is not None:
+        save_packed(model, cache_file)
     return _settled(model), hf_config, path
 
 

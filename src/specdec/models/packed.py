@@ -57,10 +57,13 @@ def pack_linears(model: nn.Module) -> nn.Module:
 
 
 def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight [out, in], bias [out] or None)`` of an ``nn.Linear`` or a :class:`PackedLinear`
-    (unpacked: a copy), for code that needs the plain matrix (head training, initialisation)."""
+    """``(weight [out, in], bias [out] or None)`` of an ``nn.Linear``, a :class:`PackedLinear`
+    (unpacked: a copy) or a quantized linear (dequantized, in the dtype of the weight it was
+    made from), for code that needs the plain matrix (head training, initialisation)."""
+    if hasattr(module, "dequantized"):  # specdec.models.quantized (which imports this module)
+        return module.dequantized().to(module.weight_dtype), module.bias
     if isinstance(module, PackedLinear):
         return unpack_weight(module.packed, module.out_features), module.bias
     if isinstance(module, nn.Linear):
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
-    raise TypeError(f"expected nn.Linear or PackedLinear, got {type(module).__name__}")
+    raise TypeError(f"expected nn.Linear, PackedLinear or a quantized linear, got {type(module).__name__}")

@@ -18,25 +18,29 @@ import torch
 from specdec.kernels.cpu_linear import PANEL
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears
+from specdec.models.quantized import quantize_linears
 
 __all__ = ["packed_cache_file", "load_packed", "save_packed"]
 
-_FORMAT = f"panel{PANEL}-v1"
+_FORMATS = {None: f"panel{PANEL}-v1", "int8": "int8-g32-v2", "q4": "q4-g32-v1"}
 
 
-def packed_cache_file(sources: list[Path]) -> Path:
-    """Where the packed model of these checkpoint files lives (it may not exist yet)."""
+def packed_cache_file(sources: list[Path], quantization: str | None = None) -> Path:
+    """Where the packed (bf16) or quantized (``"int8"``, ``"q4"``) model of these checkpoint
+    files lives (it may not exist yet)."""
     from specdec.paths import cache_root
 
-    h = hashlib.sha256(_FORMAT.encode())
+    h = hashlib.sha256(_FORMATS[quantization].encode())
     for f in sources:
         st = f.stat()
         h.update(json.dumps([str(f.resolve()), st.st_size, st.st_mtime_ns]).encode())
     return cache_root() / "packed" / h.hexdigest()[:24] / "model.safetensors"
 
 
-def load_packed(cfg: ModelConfig, file: Path, device: torch.device) -> LlamaModel | None:
-    """The packed model stored in ``file``, or ``None`` if it is missing or unreadable."""
+def load_packed(
+    cfg: ModelConfig, file: Path, device: torch.device, quantization: str | None = None
+) -> LlamaModel | None:
+    """The packed or quantized model stored in ``file``, or ``None`` if it is missing or unreadable."""
     if not file.is_file():
         return None
     from safetensors import SafetensorError
@@ -44,7 +48,10 @@ def load_packed(cfg: ModelConfig, file: Path, device: torch.device) -> LlamaMode
 
     with torch.device("meta"):
         model = LlamaModel(cfg).to(torch.bfloat16)
-        pack_linears(model)
+        if quantization is None:
+            pack_linears(model)
+        else:
+            quantize_linears(model, quantization)
     try:
         state = load_file(str(file), device=str(device))
         model.load_state_dict(state, strict=True, assign=True)

@@ -1,5 +1,12 @@
-"""Swap a model's linear layers for weight-only int8 ones (for draft models; see
-:mod:`specdec.kernels.cpu_int8` for why that never changes a generator's output)."""
+"""Swap a model's linear layers for weight-only quantized ones (CPU kernels).
+
+Two formats: ``"int8"`` (one float32 scale per output feature; :mod:`specdec.kernels.cpu_int8`)
+and ``"q4"`` (4 bits, a float16 scale and offset per group of 32 inputs;
+:mod:`specdec.kernels.cpu_q4`). A quantized *draft* changes what it proposes, never what the
+generator emits (verifiers use the draft's own probabilities); a quantized *target* is a
+different model, and speculation over it reproduces its greedy output exactly (both kernels
+compute each row on its own, whatever the number of rows in a verify pass).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,40 @@ import torch
 from torch import nn
 
 from specdec.kernels.cpu_int8 import int8_linear, pack_int8, quantize_int8, unpack_int8
+from specdec.kernels.cpu_q4 import (
+    BLOCK_BYTES,
+    FEATURES,
+    GROUP,
+    dequantize_q4,
+    pack_q4,
+    q4_linear,
+    quantize_q4,
+    unpack_q4,
+)
 from specdec.models.packed import PackedLinear, linear_weights
 
-__all__ = ["Int8Linear", "quantize_linears", "WEIGHT_FORMATS"]
+__all__ = [
+    "Int8Linear",
+    "Q4Linear",
+    "quantize_linears",
+    "QUANTIZATIONS",
+    "WEIGHT_FORMATS",
+    "check_quantization",
+]
 
-WEIGHT_FORMATS = ("bfloat16", "int8")  # what a draft model's linear layers may be stored as
+QUANTIZATIONS = ("int8", "q4")  # what ``quantization=`` accepts besides None
+WEIGHT_FORMATS = ("bfloat16", *QUANTIZATIONS)  # what a model's linear layers may be stored as
+_Q4_CHUNK_ROWS = 4096  # rows quantized at once: bounds the float32 temporaries of a large head
+
+
+def check_quantization(quantization: str | None, device: str | torch.device) -> None:
+    """The ``quantization`` argument: ``None``, ``"int8"`` or ``"q4"``, on the CPU only."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None, 'int8' or 'q4', got {quantization!r}")
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} runs on the CPU only, got device={device!r}"
+        )
 
 
 class Int8Linear(nn.Module):
@@ -19,13 +55,20 @@ class Int8Linear(nn.Module):
 
     ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.out_dtype = out_dtype
-        packed, scale = pack_int8(*quantize_int8(weight))
-        self.register_buffer("packed", packed)  # [panels, in, 16] int8
-        self.register_buffer("scale", scale)  # [panels * 16] float32
+        self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
+        if weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
+            panels, groups = -(-self.out_features // FEATURES), -(-self.in_features // GROUP)
+            packed = torch.empty(panels, groups, 256, dtype=torch.int8, device="meta")
+            scale = torch.empty(panels * FEATURES, dtype=torch.float32, device="meta")
+        else:
+            packed, scale = pack_int8(*quantize_int8(weight))
+        self.register_buffer("packed", packed)  # [ceil(out/8), ceil(in/32), 256] int8
+        self.register_buffer("scale", scale)  # [ceil(out/8) * 8] float32
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
@@ -37,12 +80,56 @@ class Int8Linear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
-        return unpack_int8(self.packed, self.out_features).float() * self.scale[: self.out_features, None]
+        q = unpack_int8(self.packed, self.out_features, self.in_features)
+        return q.float() * self.scale[: self.out_features, None]
 
 
-def quantize_linears(model: nn.Module) -> nn.Module:
+class Q4Linear(nn.Module):
+    """A linear layer over 4-bit weights (groups of 32 inputs, float16 scale and offset).
+
+    ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
+        if weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
+            shape = (-(-self.out_features // FEATURES), -(-self.in_features // GROUP), BLOCK_BYTES)
+            packed = torch.empty(shape, dtype=torch.uint8, device="meta")
+        else:  # chunks of whole panels: the same bytes as one call, less float32 scratch
+            packed = torch.cat([
+                pack_q4(*quantize_q4(weight[r : r + _Q4_CHUNK_ROWS]))
+                for r in range(0, self.out_features, _Q4_CHUNK_ROWS)
+            ])  # fmt: skip
+        self.register_buffer("packed", packed)  # [ceil(out/8), ceil(in/32), 160] uint8
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        out = q4_linear(
+            x.reshape(-1, self.in_features),
+            self.packed,
+            self.out_features,
+            self.bias,
+            self.out_dtype,
+        )
+        return out.view(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+        return dequantize_q4(*unpack_q4(self.packed, self.out_features), self.in_features)
+
+
+_CLASSES = {"int8": Int8Linear, "q4": Q4Linear}
+
+
+def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
     """Replace every ``nn.Linear`` and :class:`PackedLinear` (LM head included) by an
-    :class:`Int8Linear`, in place; the input embedding is left as it is (one row is read)."""
+    :class:`Int8Linear` or a :class:`Q4Linear`, in place; the input embedding is left as it is
+    (one row of it is read per token)."""
+    check_quantization(quantization, "cpu")
+    cls = _CLASSES[quantization]
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, (nn.Linear, PackedLinear)):
@@ -50,5 +137,5 @@ def quantize_linears(model: nn.Module) -> nn.Module:
                 is_head = f"{name}.{child_name}".lstrip(".") == "lm_head"
                 dtype = weight.dtype if isinstance(child, nn.Linear) else child.out_dtype
                 out_dtype = torch.float32 if is_head else dtype
-                setattr(module, child_name, Int8Linear(weight, bias, out_dtype))
+                setattr(module, child_name, cls(weight, bias, out_dtype))
     return model

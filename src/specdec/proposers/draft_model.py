@@ -19,10 +19,9 @@ import torch
 from specdec.config import speculative_tokens
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
-from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
-from specdec.models.quantized import quantize_linears
+from specdec.models.quantized import check_quantization
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import DraftProposal, ProposalKind
 
@@ -62,17 +61,12 @@ class DraftModel:
         device: str | torch.device = "cpu",
         quantization: str | None = None,
     ) -> DraftModel:
-        """Load a draft model. ``quantization="int8"`` stores its linear layers as weight-only
-        int8 (CPU): about 0.6x the time per draft token at batch 1, slightly different
-        proposals, the same output (the verifier uses the draft's own probabilities)."""
+        """Load a draft model. ``quantization="int8"`` or ``"q4"`` stores its linear layers as
+        weight-only int8 or 4-bit (CPU): less time per draft token at batch 1, slightly
+        different proposals, the same output (the verifier uses the draft's own probabilities)."""
         config = DraftModelConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
-        if quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8', got {quantization!r}")
-        if quantization is not None and torch.device(device).type != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU only, got device={device!r}")
-        model, _, _ = load_model(path, dtype=dtype, device=device, pack=False if quantization else None)
-        if quantization == "int8":
-            model = move_to_hugepages(quantize_linears(model))
+        check_quantization(quantization, device)
+        model, _, _ = load_model(path, dtype=dtype, device=device, quantization=quantization)
         return cls(model, config)
 
     @classmethod

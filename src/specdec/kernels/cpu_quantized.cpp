@@ -1,0 +1,381 @@
+// Linear layers over int8 and 4-bit weights for x86 CPUs with AVX2 (+ AVX512-VNNI when
+// present): out[m, n] = sum_k x[m, k] * w[n, k].
+//
+// Why: decoding streams every weight once per step, so 4-bit weights (0.625 bytes each with
+// their scales) read 3.2x fewer bytes than bf16 and int8 ones 2x fewer. Converting them to
+// float32 would make the loop compute-bound on AVX2, so the activations are quantized too, per
+// row and group of 32 inputs (int8, scale amax / 127, rounded half to even), and the inner loop
+// is an exact integer dot product of 4-byte groups (maddubs + madd on AVX2, vpdpbusd with
+// AVX512-VNNI: the same integers). Per group and row, the float32 part is a fixed-order chain
+// over the groups, so a row's result is bitwise the same whatever the number of rows in the
+// call or the instruction set used.
+//
+// ---- q4: w[n, k] = d[n, g] * q[n, k] + c[n, g], q in 0..15, float16 d and c per output
+// feature and group g of 32 inputs. Unsigned nibbles times signed bytes (maddubs: pairs of
+// products to int16; the 8 vectors of a group are added in int16, at most 16 products of
+// 15 x 127 = 30480, no overflow; madd then sums pairs to int32). Per group and row:
+//   acc = fma(float(dot), d * dx, acc);  acc = fma(c, sum(x over the group), acc)
+//
+// Layout ([P = ceil(N / 8)][G = ceil(K / 32)][160 bytes], one 160-byte block per panel of 8
+// output features and group): 8 vectors of 16 bytes, then d[8] and c[8] as float16. Vector j
+// covers inputs 32g + 4j .. 32g + 4j + 3; its byte i (0..15) holds, for feature f = i / 4 and
+// t = i % 4, q[f][32g + 4j + t] in the low nibble and q[f + 4][...] in the high nibble. A
+// 128-bit broadcast, a variable shift (0 for the low lane, 4 for the high lane) and a mask give
+// the 32 bytes [feature 0..7][t 0..3], which is what maddubs / vpdpbusd pair with 4 activation
+// bytes broadcast to every feature.
+//
+// ---- int8: w[n, k] = s[n] * q[n, k], q in -127..127, one float32 scale per output feature.
+// Layout [P][G][256 bytes]: 8 vectors of 32 bytes, vector j holding q[f][32g + 4j + t] at byte
+// 4f + t (the unpacked q4 order). maddubs needs an unsigned operand: |q| times x with q's
+// sign (each pair at most 2 x 127 x 127 = 32258, no saturation), madd to int32 per vector.
+// Per group and row: acc = fma(float(dot), dx, acc); the result is acc * s[n].
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kFeatures = 8;
+constexpr int64_t kBlock = 160;        // q4 bytes per panel and group
+constexpr int64_t kBlockI8 = 256;      // int8 bytes per panel and group
+constexpr int kMaxRows = 4;             // rows per pass over a panel (registers: 2 per row)
+constexpr int64_t kPrefetchBytes = 4096;
+
+// One row: x [K] float32 -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x).
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * kGroup, n = std::min<int64_t>(kGroup, K - k0);
+    float amax = 0.f, sum = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      amax = std::max(amax, std::fabs(x[k0 + t]));
+      sum += x[k0 + t];  // sequential: the same float32 sum for every call
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    dx[g] = amax / 127.f;
+    xs[g] = sum;
+    for (int64_t t = 0; t < kGroup; ++t)
+      xq[k0 + t] = t < n ? static_cast<int8_t>(std::nearbyint(x[k0 + t] * inv)) : 0;
+  }
+}
+
+struct Rows {
+  const int8_t* xq;  // [M, G * 32]
+  const float* dx;   // [M, G]
+  const float* xs;   // [M, G]
+  int64_t G;
+};
+
+inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i shifted = _mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+inline void store_features(float* dst, __m256 v, int64_t n_valid) {
+  if (n_valid == kFeatures) {
+    _mm256_storeu_ps(dst, v);
+  } else {
+    alignas(32) float tmp[kFeatures];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(dst, tmp, sizeof(float) * n_valid);
+  }
+}
+
+// Rows m0 .. m0 + MR - 1 times one panel. The int16 sum of a group (8 maddubs) then one madd.
+template <int MR, bool PREFETCH>
+void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
+                int64_t n_valid) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t Kp = r.G * kGroup;
+  for (int64_t g = 0; g < r.G; ++g) {
+    const uint8_t* blk = panel + g * kBlock;
+    if (PREFETCH) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 128), _MM_HINT_T0);
+    }
+    __m256i isum[MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = unpack_nibbles(blk + 16 * j);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m256i p = _mm256_maddubs_epi16(w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
+        isum[m] = j == 0 ? p : _mm256_add_epi16(isum[m], p);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+    const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m], ones));
+      const int64_t row = (m0 + m) * r.G + g;
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
+}
+
+// The same arithmetic with vpdpbusd (exact int32 dot of 4 byte pairs): bitwise equal results.
+template <int MR, bool PREFETCH>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
+                int64_t n_valid) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t Kp = r.G * kGroup;
+  for (int64_t g = 0; g < r.G; ++g) {
+    const uint8_t* blk = panel + g * kBlock;
+    if (PREFETCH) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 128), _MM_HINT_T0);
+    }
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = unpack_nibbles(blk + 16 * j);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m)
+        isum[m] = _mm256_dpbusd_epi32(isum[m], w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+    const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dot = _mm256_cvtepi32_ps(isum[m]);
+      const int64_t row = (m0 + m) * r.G + g;
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
+      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
+}
+
+template <int MR>
+void micro(bool vnni, bool first, const uint8_t* panel, const Rows& r, int64_t m0, float* out,
+           int64_t ldo, int64_t n_valid) {
+  if (vnni) {
+    if (first) micro_vnni<MR, true>(panel, r, m0, out, ldo, n_valid);
+    else micro_vnni<MR, false>(panel, r, m0, out, ldo, n_valid);
+  } else {
+    if (first) micro_avx2<MR, true>(panel, r, m0, out, ldo, n_valid);
+    else micro_avx2<MR, false>(panel, r, m0, out, ldo, n_valid);
+  }
+}
+
+// All M rows times one panel, kMaxRows at a time: the first group streams the panel from
+// memory, the others find it in cache.
+void panel_all_rows(bool vnni, const uint8_t* panel, const Rows& r, int64_t M, float* out,
+                    int64_t ldo, int64_t n_valid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const bool first = m0 == 0;
+    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+      case 1: micro<1>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 2: micro<2>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 3: micro<3>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      default: micro<4>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------- int8
+template <int MR, bool PREFETCH>
+void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
+                   int64_t ldo, int64_t n_valid) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t Kp = r.G * kGroup;
+  for (int64_t g = 0; g < r.G; ++g) {
+    const int8_t* blk = panel + g * kBlockI8;
+    if (PREFETCH)
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64 * line), _MM_HINT_T0);
+    __m256i isum[MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xv = _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w);
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+        isum[m] = j == 0 ? p : _mm256_add_epi32(isum[m], p);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+  }
+  const __m256 s = _mm256_loadu_ps(scale);
+  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
+}
+
+template <int MR, bool PREFETCH>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
+                   int64_t ldo, int64_t n_valid) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  const int64_t Kp = r.G * kGroup;
+  for (int64_t g = 0; g < r.G; ++g) {
+    const int8_t* blk = panel + g * kBlockI8;
+    if (PREFETCH)
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64 * line), _MM_HINT_T0);
+    __m256i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m)
+        isum[m] = _mm256_dpbusd_epi32(
+            isum[m], aw, _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w));
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+  }
+  const __m256 s = _mm256_loadu_ps(scale);
+  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
+}
+
+template <int MR>
+void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t m0,
+              const float* scale, float* out, int64_t ldo, int64_t n_valid) {
+  if (vnni) {
+    if (first) micro_i8_vnni<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
+    else micro_i8_vnni<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
+  } else {
+    if (first) micro_i8_avx2<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
+    else micro_i8_avx2<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
+  }
+}
+
+void panel_all_rows_i8(bool vnni, const int8_t* panel, const Rows& r, int64_t M, const float* scale,
+                       float* out, int64_t ldo, int64_t n_valid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+    const bool first = m0 == 0;
+    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+      case 1: micro_i8<1>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 2: micro_i8<2>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 3: micro_i8<3>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      default: micro_i8<4>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+    }
+  }
+}
+
+bool cpu_has_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// The activations of a call, quantized row by row (see quantize_row).
+struct QuantizedRows {
+  torch::Tensor xq, dx, xs;
+  Rows rows;
+};
+
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedRows q{torch::empty({M, G * kGroup}, x.options().dtype(torch::kInt8)),
+                  torch::empty({M, G}, x.options()), torch::empty({M, G}, x.options()), {}};
+  const float* xp = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(xp + m * K, K, G, q.xq.data_ptr<int8_t>() + m * G * kGroup,
+                 q.dx.data_ptr<float>() + m * G, q.xs.data_ptr<float>() + m * G);
+  q.rows = Rows{q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.xs.data_ptr<float>(), G};
+  return q;
+}
+
+// Shared argument checks; returns x as contiguous float32 and whether to use VNNI.
+std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& packed,
+                                          int64_t block, int64_t N, int64_t use_vnni) {
+  TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == block, "packed must be [panels, groups, ", block, "]");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  const int64_t K = x.size(1), P = packed.size(0), G = packed.size(1);
+  TORCH_CHECK(K > (G - 1) * kGroup && K <= G * kGroup, "x and the packed weight disagree on in_features");
+  TORCH_CHECK(N > (P - 1) * kFeatures && N <= P * kFeatures,
+              "out_features does not match the number of panels");
+  TORCH_CHECK(use_vnni != 1 || cpu_has_vnni(), "use_vnni=1 but this CPU has no AVX512-VNNI");
+  const bool vnni = use_vnni == 1 || (use_vnni == -1 && cpu_has_vnni());
+  return {(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32)).contiguous(), vnni};
+}
+
+torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, bool out_bf16) {
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == out.size(1),
+                "bias must be float32 [out_features]");
+    out.add_(*bias);
+  }
+  return out_bf16 ? out.to(torch::kBFloat16) : out;
+}
+
+}  // namespace
+
+// x: [M, K] float32 or bfloat16; packed: [ceil(N/8), ceil(K/32), 160] uint8 (layout above);
+// optional float32 bias [N]; returns [M, N] float32, or bfloat16 when out_bf16. use_vnni: -1
+// picks by the CPU, 0 forces AVX2, 1 asks for VNNI (an error where the CPU lacks it).
+torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
+                              c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed must be uint8");
+  auto [xf, vnni] = check_call(x, packed, kBlock, N, use_vnni);
+  const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
+  const QuantizedRows q = quantize_rows(xf, G);
+  auto out = torch::empty({M, N}, xf.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_all_rows(vnni, wp + p * G * kBlock, q.rows, M, op + p * kFeatures, N,
+                     std::min<int64_t>(kFeatures, N - p * kFeatures));
+  });
+  return finish(out, bias, out_bf16);
+}
+
+// x: [M, K] float32 or bfloat16; packed: [ceil(N/8), ceil(K/32), 256] int8 (layout above);
+// scale: [ceil(N/8) * 8] float32; bias, out_bf16 and use_vnni as above.
+torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                                int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
+                                int64_t use_vnni) {
+  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed must be int8");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+                  scale.numel() == packed.size(0) * kFeatures,
+              "scale must be contiguous float32 [panels * 8]");
+  auto [xf, vnni] = check_call(x, packed, kBlockI8, N, use_vnni);
+  const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
+  const QuantizedRows q = quantize_rows(xf, G);
+  auto out = torch::empty({M, N}, xf.options());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_all_rows_i8(vnni, wp + p * G * kBlockI8, q.rows, M, sp + p * kFeatures,
+                        op + p * kFeatures, N, std::min<int64_t>(kFeatures, N - p * kFeatures));
+  });
+  return finish(out, bias, out_bf16);
+}
+
+bool quantized_has_vnni() { return cpu_has_vnni(); }
