@@ -31,6 +31,8 @@ Systems:
                     (another model: its greedy output is checked against its own plain decoder)
     specdec-int8-draft, specdec-q4-draft  the same target with a draft model stored in the
                     same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy
+    llamacpp-plain  llama.cpp through llama-cpp-python on --llamacpp-target (a GGUF file, e.g.
+                    the Q4_K_M the known models come from), batch 1, greedy; its own stack
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
@@ -262,6 +264,35 @@ class HFRunner:
         )
 
 
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python, an optional peer) on a GGUF file of the target, batch 1,
+    greedy: the same prompt token ids (Qwen's GGUF keeps the HF vocabulary), exactly ``n`` new
+    tokens (``Llama.generate`` does not stop at EOS), as many threads as the grid point."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def start_repeat(self) -> None:
+        """Nothing carries over between calls (the context is reset per prompt)."""
+
+    def run(
+        self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int
+    ) -> RunStats:
+        import llama_cpp
+
+        if len(prompts) != 1 or temperature != 0:
+            raise ValueError("llamacpp-plain runs batch 1, greedy")
+        threads = torch.get_num_threads()
+        llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)
+        out: list[int] = []
+        for token in self.llm.generate(list(prompts[0]), top_k=1, top_p=1.0, temp=0.0,
+                                       repeat_penalty=1.0, reset=True):  # fmt: skip
+            out.append(int(token))
+            if len(out) == n:
+                break
+        return RunStats(outputs=[out], target_forwards=n)
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -281,6 +312,7 @@ class ModelPool:
         self.mtp_head = mtp_head
         self.mtp_draft_vocab: int | None = None
         self.eagle_head: Path | None = None
+        self.llamacpp_target: Path | None = None
         self.tree_top_k = 4
         self.tree_depth = 5
         self.draft_quantization: str | None = None
@@ -343,6 +375,17 @@ class ModelPool:
     def hf_draft(self):
         # A separate object even when draft == target, so the counter sees target calls only.
         return self._hf_load(self.draft_path)
+
+    @functools.cached_property
+    def llamacpp_model(self):
+        try:
+            from llama_cpp import Llama
+        except ImportError as err:
+            raise ImportError("llamacpp-plain needs llama-cpp-python: pip install 'specdec[llamacpp]'") from err
+        if self.llamacpp_target is None:
+            raise ValueError("llamacpp-plain needs --llamacpp-target FILE.gguf (the target as GGUF)")
+        return Llama(model_path=str(self.llamacpp_target), n_ctx=4096, n_batch=512, n_threads=1,
+                     n_threads_batch=1, verbose=False)  # fmt: skip
 
     @property
     def pad_token_id(self) -> int:
@@ -468,6 +511,10 @@ def _specdec_eagle(
     return SpecdecRunner(build(), fresh=build if adaptive else None)
 
 
+def _llamacpp_plain(pool: ModelPool, k: int | None) -> LlamaCppRunner:
+    return LlamaCppRunner(pool.llamacpp_model)
+
+
 def _hf_plain(pool: ModelPool, k: int | None) -> HFRunner:
     return HFRunner(pool, {})
 
@@ -566,6 +613,8 @@ SYSTEMS = {
         ),
         *_quantized_systems("int8"),
         *_quantized_systems("q4"),
+        System(name="llamacpp-plain", build=_llamacpp_plain, speculative=False,
+               plain="llamacpp-plain", max_batch_size=1),  # fmt: skip
         System(name=HF_REFERENCE, build=_hf_plain, speculative=False, plain=HF_REFERENCE),
         System(
             name="hf-assisted",
@@ -593,7 +642,7 @@ class HarnessConfig:
     systems: tuple[str, ...] = tuple(
         n
         for n in SYSTEMS
-        if not n.startswith(("specdec-mtp", "specdec-eagle", "specdec-int8", "specdec-q4"))
+        if not n.startswith(("specdec-mtp", "specdec-eagle", "specdec-int8", "specdec-q4", "llamacpp"))
         and n not in ("specdec-draft-adaptive", "specdec-draft-unquantized")
     )
     prompt_sets: tuple[str, ...] = ("humaneval",)
@@ -615,6 +664,7 @@ class HarnessConfig:
     mtp_head: str | None = None
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
     eagle_head: str | None = None
+    llamacpp_target: str | None = None  # the target as a GGUF file, for llamacpp-plain
     tree_top_k: int = 4
     tree_depth: int = 5
     seed: int = 0
@@ -680,6 +730,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     pool.draft_quantization = cfg.draft_quantization
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
     pool.eagle_head = Path(cfg.eagle_head) if cfg.eagle_head else None
+    pool.llamacpp_target = Path(cfg.llamacpp_target) if cfg.llamacpp_target else None
     pool.tree_top_k, pool.tree_depth = cfg.tree_top_k, cfg.tree_depth
     instances = [
         (SYSTEMS[name], k)
@@ -728,6 +779,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "models": {"target": str(target_path), "draft": str(draft_path),
                    "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
                    "mtp_draft_vocab": cfg.mtp_draft_vocab, "eagle_head": cfg.eagle_head,
+                   "llamacpp_target": cfg.llamacpp_target,
                    "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
@@ -1251,6 +1303,8 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
     ap.add_argument("--eagle-head", default=d.eagle_head, help="EAGLE head directory for specdec-eagle*")
+    ap.add_argument("--llamacpp-target", default=d.llamacpp_target,
+                    help="the target as a GGUF file, for llamacpp-plain (llama-cpp-python)")  # fmt: skip
     ap.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="specdec-eagle-tree: children per node")
     ap.add_argument("--tree-depth", type=int, default=d.tree_depth, help="specdec-eagle-tree: depth")
     ap.add_argument("--seed", type=int, default=d.seed)

@@ -36,7 +36,12 @@ F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
 QTYPES = {"f32": F32, "q8_0": Q8_0}
 # A text and its tokens under tiny_vocab's merges: "the" has no leading space, so no "Ġt".
 TEXT, TEXT_TOKENS = "the the", ("t", "he", "Ġthe")
-FILE_TYPES = {F32: gguf.LlamaFileType.ALL_F32, Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+FILE_TYPES = {
+    F32: gguf.LlamaFileType.ALL_F32,
+    Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+    gguf.GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+    gguf.GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+}
 
 # llama.cpp's names: top-level modules, and the modules inside each ``blk.N``.
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -368,3 +373,33 @@ def test_generator_from_pretrained_gguf(files, kind):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ref = Generator.from_components(load(reference_dir)).generate([ids], params)[0]
     assert gen.generate([TEXT], params)[0].token_ids == ref.token_ids
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1"])
+def test_q4_load_keeps_the_files_4bit_codes(tmp_path, kind, qtype_name):
+    """``quantization="q4"`` on a 4-bit GGUF takes its blocks as they are: every linear layer
+    dequantizes exactly to the file's own dequantization (Llama's q/k rows un-permuted), with
+    no warning since no tensor had to be quantized anew; greedy decoding runs on it."""
+    import warnings
+
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(path, source_model(kind), qtype)
+    dense = load(path)  # the file dequantized by transformers' GGUF reader, in float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q4, _, _ = load_model(path, dtype="float32", quantization="q4")
+    dense_linears = {n: m for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear)}
+    q4_linears = {n: m for n, m in q4.named_modules() if hasattr(m, "dequantized")}
+    assert set(q4_linears) == set(dense_linears)
+    for name, module in q4_linears.items():
+        assert torch.equal(module.dequantized(), dense_linears[name].weight.float()), name
+    out = Generator.from_components(q4).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.usefixtures("kernel")
+def test_q4_load_of_an_8bit_gguf_says_what_it_quantized(files, kind):
+    with pytest.warns(UserWarning, match=r"kept the file's 4-bit codes of 0 tensors and quantized \d+ others"):
+        load_model(files(kind, Q8_0)[0], dtype="float32", quantization="q4")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -196,7 +197,7 @@ def load_model(
     if path.suffix == ".gguf":
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
         if quantization is not None:
-            quantize_linears(model, quantization)
+            _quantize_gguf_model(model, path, quantization)
         elif pack or (pack is None and should_pack(model)):
             pack_linears(model)
         return _settled(model), hf_config, path
@@ -220,6 +221,25 @@ def load_model(
     if cache_file is not None:
         save_packed(model, cache_file)
     return _settled(model), hf_config, path
+
+
+def _quantize_gguf_model(model: LlamaModel, path: Path, quantization: str) -> None:
+    """Quantize a model read from a GGUF file; for q4, its 4-bit tensors keep the file's codes
+    (:mod:`specdec.models.gguf_q4`) and a warning names the tensors quantized anew."""
+    if quantization != "q4":
+        quantize_linears(model, quantization)
+        return
+    from specdec.models.gguf_q4 import gguf_q4_codes, module_q4_codes
+
+    codes, adopted, requantized = module_q4_codes(model.config, model, gguf_q4_codes(path))
+    quantize_linears(model, "q4", codes)
+    if requantized:
+        kinds = sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in requantized})
+        warnings.warn(
+            f"{path.name}: q4 kept the file's 4-bit codes of {len(adopted)} tensors and quantized "
+            f"{len(requantized)} others ({', '.join(kinds)}) from their dequantized weights",
+            stacklevel=3,
+        )
 
 
 def _settled(model: LlamaModel) -> LlamaModel:

@@ -10,6 +10,8 @@ compute each row on its own, whatever the number of rows in a verify pass).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -90,14 +92,25 @@ class Q4Linear(nn.Module):
     ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``codes``: ``(q, d, c)`` as :func:`~specdec.kernels.cpu_q4.quantize_q4` returns them,
+        taken as they are (a GGUF file's 4-bit blocks) instead of quantizing ``weight``."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
         if weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
             shape = (-(-self.out_features // FEATURES), -(-self.in_features // GROUP), BLOCK_BYTES)
             packed = torch.empty(shape, dtype=torch.uint8, device="meta")
+        elif codes is not None:
+            groups = -(-self.in_features // GROUP)
+            if tuple(codes[0].shape) != (self.out_features, groups, GROUP):
+                raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
+            packed = pack_q4(*codes)
         else:  # chunks of whole panels: the same bytes as one call, less float32 scratch
             packed = torch.cat([
                 pack_q4(*quantize_q4(weight[r : r + _Q4_CHUNK_ROWS]))
@@ -124,12 +137,18 @@ class Q4Linear(nn.Module):
 _CLASSES = {"int8": Int8Linear, "q4": Q4Linear}
 
 
-def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
+def quantize_linears(
+    model: nn.Module,
+    quantization: str = "int8",
+    codes: Mapping[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+) -> nn.Module:
     """Replace every ``nn.Linear`` and :class:`PackedLinear` (LM head included) by an
     :class:`Int8Linear` or a :class:`Q4Linear`, in place; the input embedding is left as it is
-    (one row of it is read per token)."""
+    (one row of it is read per token). ``codes``: q4 codes to take as they are, by module name
+    (see :mod:`specdec.models.gguf_q4`)."""
     check_quantization(quantization, "cpu")
     cls = _CLASSES[quantization]
+    codes = codes or {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, (nn.Linear, PackedLinear)):
@@ -137,5 +156,9 @@ def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
                 is_head = f"{name}.{child_name}".lstrip(".") == "lm_head"
                 dtype = weight.dtype if isinstance(child, nn.Linear) else child.out_dtype
                 out_dtype = torch.float32 if is_head else dtype
-                setattr(module, child_name, cls(weight, bias, out_dtype))
+                given = codes.get(f"{name}.{child_name}".lstrip("."))
+                if given is not None and quantization != "q4":
+                    raise ValueError("codes are q4 codes; quantization must be 'q4'")
+                layer = cls(weight, bias, out_dtype) if given is None else Q4Linear(weight, bias, out_dtype, given)
+                setattr(module, child_name, layer)
     return model
