@@ -56,11 +56,12 @@ class Profiler:
         from specdec.engine import Engine
         from specdec.models import llama
         from specdec.models.packed import PackedLinear
-        from specdec.models.quantized import Int8Linear
+        from specdec.models.quantized import Int8Linear, Q4Linear
 
         patches = [
             (PackedLinear, "forward", self._part("linear")),
             (Int8Linear, "forward", self._part("linear")),
+            (Q4Linear, "forward", self._part("linear")),
             (torch.nn.Linear, "forward", self._part("linear")),
             (TorchAttentionBackend, "run", self._part("attention")),
             (TorchAttentionBackend, "plan", self._part("plan")),
@@ -148,18 +149,22 @@ class Profiler:
         return rows
 
 
-def run(target: str, draft: str, threads: int, k: int, tokens: int, prompts: int) -> dict:
+def run(
+    target: str, draft: str, threads: int, k: int, tokens: int, prompts: int,
+    quantization: str | None = None, draft_formats: tuple[str, ...] = ("bfloat16", "int8"),
+) -> dict:  # fmt: skip
     from specdec import FixedPolicy, Generator, SamplingParams
     from specdec.hub import resolve_model
     from specdec.proposers import DraftModel
 
     torch.set_num_threads(threads)
-    plain = Generator.from_pretrained(resolve_model(target))
+    plain = Generator.from_pretrained(resolve_model(target), quantization=quantization)
     drafters = {
-        "draft": DraftModel.from_pretrained(resolve_model(draft), num_speculative_tokens=k),
-        "draft-int8": DraftModel.from_pretrained(
-            resolve_model(draft), num_speculative_tokens=k, quantization="int8"
-        ),
+        "draft" if fmt == "bfloat16" else f"draft-{fmt}": DraftModel.from_pretrained(
+            resolve_model(draft), num_speculative_tokens=k,
+            quantization=None if fmt == "bfloat16" else fmt,
+        )  # fmt: skip
+        for fmt in draft_formats
     }
     gens = {"plain": plain} | {
         f"{name}-k{k}": plain.with_proposer(d, policy=FixedPolicy(k)) for name, d in drafters.items()
@@ -189,7 +194,7 @@ def run(target: str, draft: str, threads: int, k: int, tokens: int, prompts: int
             "tokens_per_step": n / max(prof.steps, 1),
             "passes": prof.table(bounds),
         }
-    return {"threads": threads, "read_bandwidth_gb_s": bandwidth / 1e9, "bounds_ms": {
+    return {"threads": threads, "target_quantization": quantization, "read_bandwidth_gb_s": bandwidth / 1e9, "bounds_ms": {
         m: 1e3 * b for m, b in bounds.items()}, "runs": report}
 
 
@@ -228,10 +233,13 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--quantization", choices=("int8", "q4"), default=None, help="the target's weights")
+    parser.add_argument("--draft-formats", default="bfloat16,int8", help="drafts to profile (bfloat16, int8, q4)")
     args = parser.parse_args()
     results = []
     for t in (int(x) for x in args.threads.split(",")):
-        result = run(args.target, args.draft, t, args.k, args.tokens, args.prompts)
+        result = run(args.target, args.draft, t, args.k, args.tokens, args.prompts,
+                     args.quantization, tuple(args.draft_formats.split(",")))  # fmt: skip
         print(markdown(result), flush=True)
         results.append(result)
     write_json("profile_step", {"machine": machine_info(), "args": vars(args), "results": results})

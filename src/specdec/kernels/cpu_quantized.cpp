@@ -45,7 +45,11 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kFeatures = 8;
 constexpr int64_t kBlock = 160;        // q4 bytes per panel and group
 constexpr int64_t kBlockI8 = 256;      // int8 bytes per panel and group
-constexpr int kMaxRows = 4;             // rows per pass over a panel (registers: 2 per row)
+// Rows per pass over a panel (registers: 2 per row, plus weights and temporaries): AVX2 has 16
+// ymm registers, AVX-512VL (which VNNI comes with) 32, so a whole verify pass of up to 8 rows
+// unpacks each weight once.
+constexpr int kMaxRowsAvx2 = 4;
+constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
 
 // One row: x [K] float32 -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x).
@@ -99,6 +103,7 @@ template <int MR, bool PREFETCH>
 void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
                 int64_t n_valid) {
   __m256 acc[MR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t Kp = r.G * kGroup;
@@ -113,7 +118,7 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i w = unpack_nibbles(blk + 16 * j);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256i p = _mm256_maddubs_epi16(w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
         isum[m] = j == 0 ? p : _mm256_add_epi16(isum[m], p);
@@ -121,7 +126,7 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
     const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m], ones));
       const int64_t row = (m0 + m) * r.G + g;
@@ -129,6 +134,7 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
       acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
     }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
 }
 
@@ -138,6 +144,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
                 int64_t n_valid) {
   __m256 acc[MR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
@@ -148,17 +155,18 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
       _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 128), _MM_HINT_T0);
     }
     __m256i isum[MR];
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i w = unpack_nibbles(blk + 16 * j);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m)
         isum[m] = _mm256_dpbusd_epi32(isum[m], w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
     const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 dot = _mm256_cvtepi32_ps(isum[m]);
       const int64_t row = (m0 + m) * r.G + g;
@@ -166,6 +174,7 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
       acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
     }
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
 }
 
@@ -175,23 +184,28 @@ void micro(bool vnni, bool first, const uint8_t* panel, const Rows& r, int64_t m
   if (vnni) {
     if (first) micro_vnni<MR, true>(panel, r, m0, out, ldo, n_valid);
     else micro_vnni<MR, false>(panel, r, m0, out, ldo, n_valid);
-  } else {
+  } else if constexpr (MR <= kMaxRowsAvx2) {
     if (first) micro_avx2<MR, true>(panel, r, m0, out, ldo, n_valid);
     else micro_avx2<MR, false>(panel, r, m0, out, ldo, n_valid);
   }
 }
 
-// All M rows times one panel, kMaxRows at a time: the first group streams the panel from
-// memory, the others find it in cache.
+// All M rows times one panel, as many at a time as the registers hold: the first group streams
+// the panel from memory, the others find it in cache.
 void panel_all_rows(bool vnni, const uint8_t* panel, const Rows& r, int64_t M, float* out,
                     int64_t ldo, int64_t n_valid) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+  const int64_t step = vnni ? kMaxRowsVnni : kMaxRowsAvx2;
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
     const bool first = m0 == 0;
-    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+    switch (std::min<int64_t>(step, M - m0)) {
       case 1: micro<1>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
       case 2: micro<2>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
       case 3: micro<3>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      default: micro<4>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 4: micro<4>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 5: micro<5>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 6: micro<6>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      case 7: micro<7>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
+      default: micro<8>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
     }
   }
 }
@@ -201,6 +215,7 @@ template <int MR, bool PREFETCH>
 void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
                    int64_t ldo, int64_t n_valid) {
   __m256 acc[MR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t Kp = r.G * kGroup;
@@ -214,18 +229,19 @@ void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* 
     for (int j = 0; j < 8; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
       const __m256i aw = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w);
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
         isum[m] = j == 0 ? p : _mm256_add_epi32(isum[m], p);
       }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
   }
   const __m256 s = _mm256_loadu_ps(scale);
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
 }
 
@@ -234,6 +250,7 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
                    int64_t ldo, int64_t n_valid) {
   __m256 acc[MR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
@@ -242,21 +259,23 @@ void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* 
       for (int line = 0; line < 4; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64 * line), _MM_HINT_T0);
     __m256i isum[MR];
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
       const __m256i aw = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m)
         isum[m] = _mm256_dpbusd_epi32(
             isum[m], aw, _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w));
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
   }
   const __m256 s = _mm256_loadu_ps(scale);
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
 }
 
@@ -266,7 +285,7 @@ void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t
   if (vnni) {
     if (first) micro_i8_vnni<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
     else micro_i8_vnni<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
-  } else {
+  } else if constexpr (MR <= kMaxRowsAvx2) {
     if (first) micro_i8_avx2<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
     else micro_i8_avx2<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
   }
@@ -274,13 +293,18 @@ void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t
 
 void panel_all_rows_i8(bool vnni, const int8_t* panel, const Rows& r, int64_t M, const float* scale,
                        float* out, int64_t ldo, int64_t n_valid) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+  const int64_t step = vnni ? kMaxRowsVnni : kMaxRowsAvx2;
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
     const bool first = m0 == 0;
-    switch (std::min<int64_t>(kMaxRows, M - m0)) {
+    switch (std::min<int64_t>(step, M - m0)) {
       case 1: micro_i8<1>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
       case 2: micro_i8<2>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
       case 3: micro_i8<3>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      default: micro_i8<4>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 4: micro_i8<4>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 5: micro_i8<5>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 6: micro_i8<6>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      case 7: micro_i8<7>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
+      default: micro_i8<8>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
     }
   }
 }
