@@ -1230,14 +1230,14 @@ PRESETS = {
         max_new_tokens=128,
         repeats=1,
     ),
-    # Issue 17's table: bf16, int8 and 4-bit targets, plain and with a draft of the same format.
+    # Issue 17's table: bf16, int8 and 4-bit targets, plain and with a draft of the same format
+    # (add llamacpp-plain to --systems with --llamacpp-target FILE.gguf for the llama.cpp peer).
     "quant": dict(
-        systems=("specdec-plain", "specdec-draft", "specdec-int8-plain", "specdec-int8-draft",
-                 "specdec-q4-plain", "specdec-q4-draft", "specdec-q4-draft-adaptive"),
-        ks=(3, 4, 5),
-        system_ks={"specdec-draft": (4,), "specdec-int8-draft": (4,)},
+        systems=("specdec-plain", "specdec-int8-plain", "specdec-int8-draft", "specdec-q4-plain",
+                 "specdec-q4-draft", "specdec-q4-draft-adaptive"),
+        ks=(3, 4),
+        system_ks={"specdec-int8-draft": (4,), "specdec-q4-draft-adaptive": (6,)},
         threads=(1, 2),
-        draft_quantization="int8",
         num_prompts=10,
         max_new_tokens=128,
         repeats=1,
