@@ -1191,11 +1191,18 @@ def _versions() -> dict[str, str]:
 
     import specdec
 
-    return {
+    versions = {
         "specdec": specdec.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    try:  # the optional llama.cpp peer
+        import llama_cpp
+
+        versions["llama_cpp_python"] = llama_cpp.__version__
+    except ImportError:
+        pass
+    return versions
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -98,6 +98,37 @@ inline void store_features(float* dst, __m256 v, int64_t n_valid) {
   }
 }
 
+// Software prefetch of one block's cache lines, kPrefetchBytes ahead of it.
+__attribute__((always_inline)) inline void prefetch_block(const void* blk, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(blk) + kPrefetchBytes;
+  for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
+}
+
+// The float part of one q4 group for MR rows, from their exact int32 dots (8 features each):
+// acc = fma(dot, d * dx, acc); acc = fma(c, xs, acc). Shared by the AVX2 and VNNI kernels.
+template <int MR>
+__attribute__((always_inline)) inline void q4_group_float(__m256 (&acc)[MR], const __m256i (&dots)[MR],
+                                                          const uint8_t* blk, const Rows& r,
+                                                          int64_t m0, int64_t g) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+  const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const int64_t row = (m0 + m) * r.G + g;
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
+    acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
+  }
+}
+
+// The float part of one int8 group for MR rows: acc = fma(dot, dx, acc).
+template <int MR>
+__attribute__((always_inline)) inline void i8_group_float(__m256 (&acc)[MR], const __m256i (&dots)[MR],
+                                                          const Rows& r, int64_t m0, int64_t g) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+}
+
 // Rows m0 .. m0 + MR - 1 times one panel. The int16 sum of a group (8 maddubs) then one madd.
 template <int MR, bool PREFETCH>
 void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
@@ -109,11 +140,7 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
     const uint8_t* blk = panel + g * kBlock;
-    if (PREFETCH) {
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 128), _MM_HINT_T0);
-    }
+    if (PREFETCH) prefetch_block(blk, kBlock);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -124,15 +151,9 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
         isum[m] = j == 0 ? p : _mm256_add_epi16(isum[m], p);
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
-    const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum[m], ones));
-      const int64_t row = (m0 + m) * r.G + g;
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
-    }
+    for (int m = 0; m < MR; ++m) isum[m] = _mm256_madd_epi16(isum[m], ones);
+    q4_group_float<MR>(acc, isum, blk, r, m0, g);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
@@ -149,11 +170,7 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
     const uint8_t* blk = panel + g * kBlock;
-    if (PREFETCH) {
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 128), _MM_HINT_T0);
-    }
+    if (PREFETCH) prefetch_block(blk, kBlock);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
@@ -164,15 +181,7 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
       for (int m = 0; m < MR; ++m)
         isum[m] = _mm256_dpbusd_epi32(isum[m], w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
-    const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dot = _mm256_cvtepi32_ps(isum[m]);
-      const int64_t row = (m0 + m) * r.G + g;
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
-      acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
-    }
+    q4_group_float<MR>(acc, isum, blk, r, m0, g);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
@@ -221,9 +230,7 @@ void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* 
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
     const int8_t* blk = panel + g * kBlockI8;
-    if (PREFETCH)
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64 * line), _MM_HINT_T0);
+    if (PREFETCH) prefetch_block(blk, kBlockI8);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -236,9 +243,7 @@ void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* 
         isum[m] = j == 0 ? p : _mm256_add_epi32(isum[m], p);
       }
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+    i8_group_float<MR>(acc, isum, r, m0, g);
   }
   const __m256 s = _mm256_loadu_ps(scale);
 #pragma GCC unroll 8
@@ -255,9 +260,7 @@ void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* 
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
     const int8_t* blk = panel + g * kBlockI8;
-    if (PREFETCH)
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + 64 * line), _MM_HINT_T0);
+    if (PREFETCH) prefetch_block(blk, kBlockI8);
     __m256i isum[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
@@ -270,9 +273,7 @@ void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* 
         isum[m] = _mm256_dpbusd_epi32(
             isum[m], aw, _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w));
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+    i8_group_float<MR>(acc, isum, r, m0, g);
   }
   const __m256 s = _mm256_loadu_ps(scale);
 #pragma GCC unroll 8
