@@ -34,17 +34,23 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, 2 MiB align
 
 
 def move_to_hugepages(model: nn.Module, min_bytes: int = 1 << 20) -> nn.Module:
-    """Copy every CPU parameter and buffer of at least ``min_bytes`` into one arena, in place.
+    """Copy every CPU parameter and buffer of at least ``min_bytes`` into one arena, in place;
+    the smaller ones are copied too (into ordinary memory), so that no tensor keeps its source
+    storage alive: a model read from a memory-mapped file would otherwise keep every page of
+    that file resident next to the arena (twice the model's memory).
 
     Tensors that share storage (tied embeddings) stay shared. Returns ``model``.
     """
     slots: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[nn.Module, str, bool]]] = {}
+    small: dict[int, torch.Tensor] = {}  # source data_ptr -> its copy (shared stays shared)
     for module in model.modules():
         for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
             for name, t in tensors.items():
-                if t is None or t.device.type != "cpu" or t.numel() * t.element_size() < min_bytes:
+                if t is None or t.device.type != "cpu":
                     continue
-                if not t.is_contiguous():
+                if t.numel() * t.element_size() < min_bytes or not t.is_contiguous():
+                    copy = small.setdefault(t.data_ptr(), t.detach().clone())
+                    tensors[name] = nn.Parameter(copy, requires_grad=t.requires_grad) if is_param else copy
                     continue
                 key = (t.data_ptr(), t.dtype, tuple(t.shape))
                 slots.setdefault(key, []).append((module, name, is_param))
