@@ -4,7 +4,7 @@ Format ("q4"): groups of 32 input features per output feature, ``w ~= d * q + c`
 0..15 and ``d``, ``c`` in float16 (0.625 bytes a weight, scales included). :func:`quantize_q4`
 picks ``d`` and ``c`` per group by a few rounds of least squares from the min/max start (as
 llama.cpp's k-quants do, the range that minimises the squared error rather than the one that
-covers every outlier); :func:`pack_q4` lays the codes out for the kernel (see ``cpu_q4.cpp``);
+covers every outlier); :func:`pack_q4` lays the codes out for the kernel (see ``cpu_quantized.cpp``);
 :func:`q4_linear` runs it, or :func:`q4_linear_reference`, the specification.
 
 The kernel quantizes activations per row and group of 32 to int8
