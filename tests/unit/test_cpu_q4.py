@@ -108,21 +108,29 @@ def test_result_is_close_to_the_dense_product():
 
 
 @needs_kernel
-def test_rows_are_batch_invariant_and_instruction_set_invariant():
+@pytest.mark.parametrize("out_features", [70, 62])  # 9 panels (a single one left), 8 (a partial pair)
+def test_rows_are_batch_invariant_and_instruction_set_invariant(out_features):
     """Bitwise: a row's result does not depend on how many rows share the call, nor on
-    whether the CPU's VNNI dot product or the AVX2 sequence computes the integer sums."""
-    packed = pack_q4(*quantize_q4(_weight(70, 96, 2)))
-    bias = torch.randn(70)
+    whether the CPU's VNNI dot product (one panel or two panels at a time) or the AVX2
+    sequence computes the integer sums."""
+    packed = pack_q4(*quantize_q4(_weight(out_features, 96, 2)))
+    bias = torch.randn(out_features)
     x = torch.randn(11, 96).to(torch.bfloat16)
-    together = q4_linear(x, packed, 70, bias, out_dtype=torch.bfloat16, use_vnni=0)
+    together = q4_linear(x, packed, out_features, bias, out_dtype=torch.bfloat16, use_vnni=0)
     for i in range(11):
-        alone = q4_linear(x[i : i + 1], packed, 70, bias, out_dtype=torch.bfloat16, use_vnni=0)
+        alone = q4_linear(x[i : i + 1], packed, out_features, bias, out_dtype=torch.bfloat16, use_vnni=0)
         assert torch.equal(alone, together[i : i + 1])
     if load_kernel().quantized_has_vnni():
-        assert torch.equal(q4_linear(x, packed, 70, bias, out_dtype=torch.bfloat16, use_vnni=1), together)
+        for mode in (1, 2, -1):
+            got = q4_linear(x, packed, out_features, bias, out_dtype=torch.bfloat16, use_vnni=mode)
+            assert torch.equal(got, together), mode
+            for i in (0, 5, 10):
+                alone = q4_linear(x[i : i + 1], packed, out_features, bias, out_dtype=torch.bfloat16, use_vnni=mode)
+                assert torch.equal(alone, together[i : i + 1]), mode
     else:
-        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
-            q4_linear(x, packed, 70, use_vnni=1)
+        for mode in (1, 2):
+            with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+                q4_linear(x, packed, out_features, use_vnni=mode)
 
 
 @needs_kernel
