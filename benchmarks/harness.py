@@ -33,6 +33,8 @@ Systems:
                     same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy
     llamacpp-plain  llama.cpp through llama-cpp-python on --llamacpp-target (a GGUF file, e.g.
                     the Q4_K_M the known models come from), batch 1, greedy; its own stack
+    llamacpp-lookup the same with llama-cpp-python's speculation (LlamaPromptLookupDecoding,
+                    k tokens, max_ngram 3; its only proposer: it has no draft-model path)
     hf-plain        transformers ``model.generate``
     hf-assisted     ``generate(assistant_model=draft)``, exactly k drafted tokens per step
     hf-lookup       ``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=3)``
@@ -267,7 +269,9 @@ class HFRunner:
 class LlamaCppRunner:
     """llama.cpp (llama-cpp-python, an optional peer) on a GGUF file of the target, batch 1,
     greedy: the same prompt token ids (Qwen's GGUF keeps the HF vocabulary), exactly ``n`` new
-    tokens (``Llama.generate`` does not stop at EOS), as many threads as the grid point."""
+    tokens (``Llama.generate`` does not stop at EOS), as many threads as the grid point. With a
+    draft model attached to ``llm`` (llama-cpp-python's prompt lookup) it speculates: target
+    forwards are counted as its ``eval`` calls after the prompt's."""
 
     def __init__(self, llm) -> None:
         self.llm = llm
@@ -281,16 +285,32 @@ class LlamaCppRunner:
         import llama_cpp
 
         if len(prompts) != 1 or temperature != 0:
-            raise ValueError("llamacpp-plain runs batch 1, greedy")
+            raise ValueError("llamacpp systems run batch 1, greedy")
         threads = torch.get_num_threads()
         llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)
+        calls = 0
+        evaluate = type(self.llm).eval.__get__(self.llm)
+
+        def counted(tokens):
+            nonlocal calls
+            calls += 1
+            return evaluate(tokens)
+
+        self.llm.eval = counted  # the instance's own attribute: counts this run's forwards
         out: list[int] = []
-        for token in self.llm.generate(list(prompts[0]), top_k=1, top_p=1.0, temp=0.0,
-                                       repeat_penalty=1.0, reset=True):  # fmt: skip
-            out.append(int(token))
-            if len(out) == n:
-                break
-        return RunStats(outputs=[out], target_forwards=n)
+        try:
+            for token in self.llm.generate(list(prompts[0]), top_k=1, top_p=1.0, temp=0.0,
+                                           repeat_penalty=1.0, reset=True):  # fmt: skip
+                out.append(int(token))
+                if len(out) == n:
+                    break
+        finally:
+            del self.llm.eval
+        if self.llm.draft_model is None:
+            return RunStats(outputs=[out], target_forwards=n)
+        forwards = max(calls - 1, 0) + 1  # the prompt's pass yields the first token
+        return RunStats(outputs=[out], target_forwards=forwards, num_verify_steps=forwards - 1,
+                        num_emitted_in_verify=n - 1)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- models
@@ -376,8 +396,9 @@ class ModelPool:
         # A separate object even when draft == target, so the counter sees target calls only.
         return self._hf_load(self.draft_path)
 
-    @functools.cached_property
-    def llamacpp_model(self):
+    def llamacpp_model(self, draft_model=None):
+        """A llama.cpp context on --llamacpp-target (the GGUF is memory-mapped: contexts share
+        its pages); ``draft_model``: llama-cpp-python's proposer, for its speculation."""
         try:
             from llama_cpp import Llama
         except ImportError as err:
@@ -385,7 +406,7 @@ class ModelPool:
         if self.llamacpp_target is None:
             raise ValueError("llamacpp-plain needs --llamacpp-target FILE.gguf (the target as GGUF)")
         return Llama(model_path=str(self.llamacpp_target), n_ctx=4096, n_batch=512, n_threads=1,
-                     n_threads_batch=1, verbose=False)  # fmt: skip
+                     n_threads_batch=1, verbose=False, draft_model=draft_model)  # fmt: skip
 
     @property
     def pad_token_id(self) -> int:
@@ -512,7 +533,13 @@ def _specdec_eagle(
 
 
 def _llamacpp_plain(pool: ModelPool, k: int | None) -> LlamaCppRunner:
-    return LlamaCppRunner(pool.llamacpp_model)
+    return LlamaCppRunner(pool.llamacpp_model())
+
+
+def _llamacpp_lookup(pool: ModelPool, k: int | None) -> LlamaCppRunner:
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return LlamaCppRunner(pool.llamacpp_model(LlamaPromptLookupDecoding(num_pred_tokens=k, max_ngram_size=3)))
 
 
 def _hf_plain(pool: ModelPool, k: int | None) -> HFRunner:
@@ -614,6 +641,8 @@ SYSTEMS = {
         *_quantized_systems("int8"),
         *_quantized_systems("q4"),
         System(name="llamacpp-plain", build=_llamacpp_plain, speculative=False,
+               plain="llamacpp-plain", max_batch_size=1),  # fmt: skip
+        System(name="llamacpp-lookup", build=_llamacpp_lookup, speculative=True,
                plain="llamacpp-plain", max_batch_size=1),  # fmt: skip
         System(name=HF_REFERENCE, build=_hf_plain, speculative=False, plain=HF_REFERENCE),
         System(

@@ -330,6 +330,23 @@ def test_quantized_model_is_cached_and_reloads_identically(stories_path):
     second, _, _ = load_model(stories_path, quantization="q4")
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The input embedding (read one row per token: the LM head has its own q4 weights) stays a
+    # memory map of the cache file, on the first load (after writing it) and on the next.
+    for model in (first, second):
+        assert _mapped_from(model.embed_tokens.weight, cache)
+        assert not _mapped_from(model.layers[0].mlp.down_proj.packed, cache)  # in the arena
+
+
+def _mapped_from(t: torch.Tensor, file) -> bool:
+    """Whether ``t``'s memory lies in a mapping of ``file`` (per /proc/self/maps)."""
+    start = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(file.resolve()):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= start < hi:
+                return True
+    return False
 
 
 def test_quantization_is_checked_before_loading(tmp_path):

@@ -33,20 +33,24 @@ def hugepage_buffer(nbytes: int) -> torch.Tensor:  # [nbytes] uint8, 2 MiB align
     return raw[skip : skip + nbytes]
 
 
-def move_to_hugepages(model: nn.Module, min_bytes: int = 1 << 20) -> nn.Module:
+def move_to_hugepages(
+    model: nn.Module, min_bytes: int = 1 << 20, exclude: tuple[torch.Tensor, ...] = ()
+) -> nn.Module:
     """Copy every CPU parameter and buffer of at least ``min_bytes`` into one arena, in place;
     the smaller ones are copied too (into ordinary memory), so that no tensor keeps its source
     storage alive: a model read from a memory-mapped file would otherwise keep every page of
     that file resident next to the arena (twice the model's memory).
 
-    Tensors that share storage (tied embeddings) stay shared. Returns ``model``.
+    Tensors that share storage (tied embeddings) stay shared; those in ``exclude`` (memory
+    maps meant to stay maps) stay where they are. Returns ``model``.
     """
+    skip = {t.data_ptr() for t in exclude}
     slots: dict[tuple[int, torch.dtype, tuple[int, ...]], list[tuple[nn.Module, str, bool]]] = {}
     small: dict[int, torch.Tensor] = {}  # source data_ptr -> its copy (shared stays shared)
     for module in model.modules():
         for is_param, tensors in ((True, module._parameters), (False, module._buffers)):
             for name, t in tensors.items():
-                if t is None or t.device.type != "cpu":
+                if t is None or t.device.type != "cpu" or t.data_ptr() in skip:
                     continue
                 if t.numel() * t.element_size() < min_bytes or not t.is_contiguous():
                     copy = small.setdefault(t.data_ptr(), t.detach().clone())

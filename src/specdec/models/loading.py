@@ -18,7 +18,7 @@ from specdec.kernels.cpu_linear import kernel_available
 from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
-from specdec.models.packed_cache import load_packed, packed_cache_file, save_packed
+from specdec.models.packed_cache import load_packed, map_input_embedding, packed_cache_file, save_packed
 from specdec.models.quantized import check_quantization, quantize_linears
 
 __all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
@@ -212,7 +212,7 @@ def load_model(
     if cache_file is not None:
         cached = load_packed(cfg, cache_file, torch_device, quantization)
         if cached is not None:
-            return _settled(cached), hf_config, path
+            return _settled(cached, cache_file if quantization else None), hf_config, path
     model = model_from_state_dict(cfg, _read_safetensors(files), dtype=torch_dtype, device=torch_device)
     if quantization is not None:
         quantize_linears(model, quantization)
@@ -220,7 +220,7 @@ def load_model(
         pack_linears(model)
     if cache_file is not None:
         save_packed(model, cache_file)
-    return _settled(model), hf_config, path
+    return _settled(model, cache_file if quantization else None), hf_config, path
 
 
 def _quantize_gguf_model(model: LlamaModel, path: Path, quantization: str) -> None:
@@ -242,9 +242,14 @@ def _quantize_gguf_model(model: LlamaModel, path: Path, quantization: str) -> No
         )
 
 
-def _settled(model: LlamaModel) -> LlamaModel:
-    """CPU weights move to huge pages (decode streams them all every step)."""
-    return move_to_hugepages(model) if model.device.type == "cpu" else model
+def _settled(model: LlamaModel, cache_file: Path | None = None) -> LlamaModel:
+    """CPU weights move to huge pages (decode streams them all every step), except a quantized
+    model's input embedding, memory-mapped from its ``cache_file`` where it has one
+    (see :func:`~specdec.models.packed_cache.map_input_embedding`)."""
+    if model.device.type != "cpu":
+        return model
+    mapped = map_input_embedding(model, cache_file) if cache_file is not None else None
+    return move_to_hugepages(model, exclude=() if mapped is None else (mapped,))
 
 
 def gguf_load_kwargs(dtype: torch.dtype) -> dict[str, object]:
