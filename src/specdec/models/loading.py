@@ -18,7 +18,12 @@ from specdec.kernels.cpu_linear import kernel_available
 from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
-from specdec.models.packed_cache import load_packed, map_input_embedding, packed_cache_file, save_packed
+from specdec.models.packed_cache import (
+    load_packed,
+    map_input_embedding,
+    packed_cache_file,
+    save_packed,
+)
 from specdec.models.quantized import check_quantization, quantize_linears
 
 __all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
