@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import attrs
 import numpy as np
@@ -177,25 +178,27 @@ def add_tokenizer(writer, cfg) -> None:
     writer.add_eos_token_id(cfg.eos_token_id)
 
 
-def add_tensors(writer, model, qtype) -> None:
-    """Every tensor under its llama.cpp name; like llama.cpp, 1-D ones (norms, biases) stay F32."""
+def add_tensors(writer, model, qtype, overrides=None) -> None:
+    """Every tensor under its llama.cpp name; like llama.cpp, 1-D ones (norms, biases) stay F32.
+    ``overrides``: other types for some 2-D tensors, by GGUF name (as llama.cpp's mixes have)."""
     cfg = model.config
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # llama.cpp writes no output.weight for tied embeddings
         data = llama_cpp_tensor(cfg, hf_name, tensor.numpy())
-        if qtype == F32 or data.ndim == 1:
+        tensor_type = (overrides or {}).get(gguf_name(hf_name), qtype)
+        if tensor_type == F32 or data.ndim == 1:
             writer.add_tensor(gguf_name(hf_name), np.ascontiguousarray(data, dtype=np.float32))
         else:
-            blocks = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+            blocks = gguf.quants.quantize(data, tensor_type)
+            writer.add_tensor(gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=tensor_type)
 
 
-def write_gguf(path, model, qtype) -> None:
+def write_gguf(path, model, qtype, overrides=None) -> None:
     writer = gguf.GGUFWriter(str(path), model.config.model_type)
     add_metadata(writer, model.config, qtype)
     add_tokenizer(writer, model.config)
-    add_tensors(writer, model, qtype)
+    add_tensors(writer, model, qtype, overrides)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -403,3 +406,148 @@ def test_q4_load_keeps_the_files_4bit_codes(tmp_path, kind, qtype_name):
 def test_q4_load_of_an_8bit_gguf_says_what_it_quantized(files, kind):
     with pytest.warns(UserWarning, match=r"kept the file's 4-bit codes of 0 tensors and quantized \d+ others"):
         load_model(files(kind, Q8_0)[0], dtype="float32", quantization="q4")
+
+
+# --- q4 read straight from the file -------------------------------------------------------------
+
+Q4_0, Q4_1, F16 = (getattr(gguf.GGMLQuantizationType, n) for n in ("Q4_0", "Q4_1", "F16"))
+# A mix as llama.cpp's Q4 files have: mostly Q4_0, some Q4_1, some 8- and 16-bit tensors that
+# q4 must quantize anew (Llama's layer-0 q rows among them: their un-permutation is checked on
+# dense values), and an F16 embedding (for tied Qwen2, also its LM head).
+MIXED = {
+    "blk.0.attn_q.weight": Q8_0,
+    "blk.0.attn_k.weight": Q4_1,
+    "blk.1.attn_v.weight": Q8_0,
+    "blk.0.ffn_down.weight": F16,
+    "blk.1.ffn_up.weight": Q4_1,
+    "output.weight": Q8_0,
+    "token_embd.weight": F16,
+}
+LAYOUTS = {"q4_0": None, "mixed": MIXED}
+
+
+@pytest.fixture(scope="module")
+def q4_files(tmp_path_factory):
+    """Factory: (kind, layout) -> a GGUF file of mostly 4-bit tensors, written once each."""
+    cache: dict = {}
+
+    def build(kind: str, layout: str):
+        if (kind, layout) not in cache:
+            path = tmp_path_factory.mktemp(f"gguf-q4-{kind}-{layout}") / f"tiny-{kind}.gguf"
+            write_gguf(path, source_model(kind), Q4_0, LAYOUTS[layout])
+            cache[(kind, layout)] = path
+        return cache[(kind, layout)]
+
+    return build
+
+
+def _gguf_parts(cfg, module: str) -> list[tuple[str, int]]:
+    """(GGUF name, rows) of the parts of one of specdec's linear modules, in fused order."""
+    if module == "lm_head":
+        return [("token_embd.weight" if cfg.tie_word_embeddings else "output.weight", cfg.vocab_size)]
+    layer, inner = re.fullmatch(r"layers\.(\d+)\.(.+)", module).groups()
+    kv = cfg.num_kv_heads * cfg.head_dim
+    parts = {
+        "self_attn.qkv_proj": [("attn_q", cfg.num_heads * cfg.head_dim), ("attn_k", kv), ("attn_v", kv)],
+        "self_attn.o_proj": [("attn_output", cfg.hidden_size)],
+        "mlp.gate_up_proj": [("ffn_gate", cfg.intermediate_size), ("ffn_up", cfg.intermediate_size)],
+        "mlp.down_proj": [("ffn_down", cfg.hidden_size)],
+    }[inner]
+    return [(f"blk.{layer}.{name}.weight", rows) for name, rows in parts]
+
+
+def dense_then_q4(path, dtype):
+    """The q4 model as ``load_model`` built it before reading GGUF files directly: transformers'
+    dense load, then every linear layer quantized, taking the file's codes for its 4-bit parts
+    (Llama's q/k rows un-permuted) and quantizing the dense weights of the others."""
+    from specdec.kernels.cpu_q4 import quantize_q4
+    from specdec.models.gguf_q4 import _DECODERS, _reverse_permute_rows
+    from specdec.models.quantized import quantize_linears
+
+    model, _, _ = load_model(path, dtype=dtype, pack=False)
+    cfg, tensors = model.config, {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    codes = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        pieces, start, cols = [], 0, module.weight.shape[1]
+        for name, rows in _gguf_parts(cfg, module_name):
+            t = tensors[name]
+            if t.tensor_type.name in _DECODERS:
+                blocks = np.ascontiguousarray(t.data).reshape(rows * cols // 32, -1)
+                q, d, c = (torch.from_numpy(np.ascontiguousarray(x)) for x in _DECODERS[t.tensor_type.name](blocks))
+                found = (q.view(rows, cols // 32, 32), d.view(rows, -1), c.view(rows, -1))
+                if kind_of(path) == "llama" and ".attn_q." in name:
+                    found = _reverse_permute_rows(found, cfg.num_heads)
+                elif kind_of(path) == "llama" and ".attn_k." in name:
+                    found = _reverse_permute_rows(found, cfg.num_kv_heads)
+                pieces.append(found)
+            else:
+                pieces.append(quantize_q4(module.weight[start : start + rows]))
+            start += rows
+        codes[module_name] = tuple(torch.cat(p) for p in zip(*pieces))
+    return quantize_linears(model, "q4", codes)
+
+
+def kind_of(path) -> str:
+    return path.stem.removeprefix("tiny-")
+
+
+def load_q4(path, dtype="bfloat16"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the mixed files' re-quantized tensors
+        model, _, _ = load_model(path, dtype=dtype, quantization="q4")
+    return model
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_q4_from_the_file_equals_dense_then_quantized(q4_files, kind, layout, dtype):
+    """Every packed buffer, bias, norm and the embedding of the directly read q4 model equal, bit
+    for bit, those of the dense load quantized afterwards (mixed files included: re-quantized
+    tensors round to ``dtype`` first, as the dense load does); so do the layers' dtypes."""
+    path = q4_files(kind, layout)
+    ours, ref = load_q4(path, dtype), dense_then_q4(path, dtype)
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys()
+    assert sum(name.endswith(".packed") for name in a) == 4 * ref.config.num_layers + 1
+    assert ("layers.0.self_attn.qkv_proj.bias" in a) == (kind == "qwen2")
+    differ = [name for name in b if a[name].dtype != b[name].dtype or not torch.equal(a[name], b[name])]
+    assert not differ, f"differ from dense-then-quantized: {differ}"
+    layers = {n: (type(m), m.out_dtype, m.weight_dtype) for n, m in ref.named_modules() if hasattr(m, "packed")}
+    assert {n: (type(m), m.out_dtype, m.weight_dtype) for n, m in ours.named_modules() if hasattr(m, "packed")} == layers
+    assert torch.equal(ours.inv_freq, ref.inv_freq) and ours.config == ref.config
+
+
+@pytest.mark.usefixtures("kernel")
+def test_q4_from_the_file_generates_as_dense_then_quantized(q4_files, kind):
+    path = q4_files(kind, "mixed")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    batch = prompts(TINY_CONFIGS[kind]["vocab_size"])
+    ours = Generator.from_components(load_q4(path)).generate(batch, params)
+    ref = Generator.from_components(dense_then_q4(path, "bfloat16")).generate(batch, params)
+    assert [o.token_ids for o in ours] == [r.token_ids for r in ref]
+
+
+@pytest.mark.usefixtures("kernel")
+def test_q4_from_the_file_never_builds_the_dense_model(q4_files, kind, monkeypatch):
+    """Neither transformers' dense model nor specdec's dense assembly runs; the warning names the
+    non-4-bit linear weights of the mixed file (the F16 embedding is one only where tied)."""
+    import transformers
+
+    import specdec.models.loading as loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a q4 GGUF load built a dense model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(loading, "model_from_state_dict", refuse)
+    head = "token_embd" if kind == "qwen2" else "output"
+    kinds = ", ".join(sorted(["attn_q", "attn_v", "ffn_down", head]))
+    with pytest.warns(UserWarning, match=rf"codes of 11 tensors and quantized 4 others \({kinds}\)"):
+        model, _, _ = load_model(q4_files(kind, "mixed"), quantization="q4")
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and not model.embed_tokens.weight.is_meta
+    assert all(not t.is_meta for t in model.state_dict().values())
+    out = Generator.from_components(model).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

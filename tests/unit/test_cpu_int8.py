@@ -72,17 +72,34 @@ def test_result_is_close_to_the_dense_product():
 
 
 @needs_kernel
-def test_rows_are_batch_invariant_and_instruction_set_invariant():
+@pytest.mark.parametrize("out_features", [70, 62])  # 9 panels (a single one left), 8 (a partial pair)
+def test_rows_are_batch_invariant_and_instruction_set_invariant(out_features):
     """Bitwise: a row's result does not depend on how many rows share the call, nor on
-    whether VNNI or the AVX2 sequence computes the integer sums."""
-    packed, scale = pack_int8(*quantize_int8(_weight(70, 96, 2)))
+    whether the AVX2 sequence, VNNI on one panel or VNNI on two panels (unsigned weights,
+    the activation sums taken off) computes the integer sums. Extreme codes included."""
+    q, scale = quantize_int8(_weight(out_features, 96, 2))
+    q[0, :] = -127  # q + 128 = 1 .. 255 at both ends of the unsigned range
+    q[1, :] = 127
+    packed, scale = pack_int8(q, scale)
     x = torch.randn(11, 96).to(torch.bfloat16)
-    together = int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=0)
+    x[3, :32] = -1.0  # activations quantized to -127 (a group of equal values)
+    together = int8_linear(x, packed, scale, out_features, out_dtype=torch.bfloat16, use_vnni=0)
     for i in range(11):
-        alone = int8_linear(x[i : i + 1], packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=0)
+        alone = int8_linear(x[i : i + 1], packed, scale, out_features, out_dtype=torch.bfloat16, use_vnni=0)
         assert torch.equal(alone, together[i : i + 1])
+    ref = int8_linear_reference(x, packed, scale, out_features)
+    torch.testing.assert_close(together.float(), ref, rtol=1e-2, atol=1e-2)  # bf16 rounding
     if load_kernel().quantized_has_vnni():
-        assert torch.equal(int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16, use_vnni=1), together)
+        for mode in (1, 2, -1):
+            got = int8_linear(x, packed, scale, out_features, out_dtype=torch.bfloat16, use_vnni=mode)
+            assert torch.equal(got, together), mode
+            for i in (0, 3, 10):
+                alone = int8_linear(x[i : i + 1], packed, scale, out_features, out_dtype=torch.bfloat16, use_vnni=mode)
+                assert torch.equal(alone, together[i : i + 1]), mode
+    else:
+        for mode in (1, 2):
+            with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+                int8_linear(x, packed, scale, out_features, use_vnni=mode)
 
 
 @needs_kernel

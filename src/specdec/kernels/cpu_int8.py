@@ -84,7 +84,8 @@ def int8_linear(
     use_vnni: int = -1,
 ) -> torch.Tensor:  # [rows, out_features] out_dtype
     """``(x @ (q * scale).T + bias)`` rounded to ``out_dtype``: the kernel (``use_vnni``: -1 by
-    the CPU, 0 AVX2 only, 1 AVX512-VNNI) or the reference where it is unavailable."""
+    the CPU, 0 AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI on panel pairs; all
+    give the same bits) or the reference where it is unavailable."""
     kernel = load_kernel()
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
         out = int8_linear_reference(x, packed, scale, out_features)

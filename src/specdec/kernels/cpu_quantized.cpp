@@ -52,8 +52,9 @@ constexpr int kMaxRowsAvx2 = 4;
 constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
 
-// One row: x [K] float32 -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x).
-void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
+// One row: x [K] float32 -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x),
+// xqs [G] (128 x the sums of xq: what the int8 kernel's unsigned weights add to a dot).
+void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs, int32_t* xqs) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * kGroup, n = std::min<int64_t>(kGroup, K - k0);
     float amax = 0.f, sum = 0.f;
@@ -64,8 +65,12 @@ void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* dx, f
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     dx[g] = amax / 127.f;
     xs[g] = sum;
-    for (int64_t t = 0; t < kGroup; ++t)
+    int32_t qsum = 0;
+    for (int64_t t = 0; t < kGroup; ++t) {
       xq[k0 + t] = t < n ? static_cast<int8_t>(std::nearbyint(x[k0 + t] * inv)) : 0;
+      qsum += xq[k0 + t];
+    }
+    xqs[g] = 128 * qsum;
   }
 }
 
@@ -73,6 +78,7 @@ struct Rows {
   const int8_t* xq;  // [M, G * 32]
   const float* dx;   // [M, G]
   const float* xs;   // [M, G]
+  const int32_t* xqs;  // [M, G]
   int64_t G;
 };
 
@@ -368,6 +374,77 @@ void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* 
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
 }
 
+// Two panels at once with 512-bit vectors (VNNI CPUs), as micro_vnni_pair: vpdpbusd wants
+// unsigned weights, so q + 128 (q ^ 0x80) is dotted with the signed activations and 128 x the
+// group's activation sum taken off again: the same exact int32 dots as the sign trick above,
+// without its per-row vpsignb (which has no 512-bit form), hence the same bits.
+template <int MR, bool PREFETCH>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+void micro_i8_vnni_pair(const int8_t* panel_a, const int8_t* panel_b, const Rows& r, int64_t m0,
+                        const float* scale, float* out, int64_t ldo, int64_t n_valid) {
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t Kp = r.G * kGroup;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < r.G; ++g) {
+    const int8_t* a = panel_a + g * kBlockI8;
+    const int8_t* b = panel_b + g * kBlockI8;
+    if (PREFETCH) {
+      prefetch_block(a, kBlockI8);
+      prefetch_block(b, kBlockI8);
+    }
+    __m512i isum[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) isum[m] = _mm512_set1_epi32(-r.xqs[(m0 + m) * r.G + g]);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = _mm512_xor_si512(
+          _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j))),
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)), 1),
+          flip);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        int32_t v;
+        std::memcpy(&v, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, sizeof(v));
+        isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
+  }
+  const __m512 s = _mm512_loadu_ps(scale);  // the pair's 16 scales are adjacent
+  const __mmask16 keep = static_cast<__mmask16>((1u << n_valid) - 1u);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * ldo, keep, _mm512_mul_ps(acc[m], s));
+}
+
+template <int MR>
+void micro_i8_pair(bool first, const int8_t* a, const int8_t* b, const Rows& r, int64_t m0,
+                   const float* scale, float* out, int64_t ldo, int64_t n_valid) {
+  if (first) micro_i8_vnni_pair<MR, true>(a, b, r, m0, scale, out, ldo, n_valid);
+  else micro_i8_vnni_pair<MR, false>(a, b, r, m0, scale, out, ldo, n_valid);
+}
+
+void panel_pair_all_rows_i8(const int8_t* a, const int8_t* b, const Rows& r, int64_t M,
+                            const float* scale, float* out, int64_t ldo, int64_t n_valid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsVnni) {
+    const bool first = m0 == 0;
+    switch (std::min<int64_t>(kMaxRowsVnni, M - m0)) {
+      case 1: micro_i8_pair<1>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 2: micro_i8_pair<2>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 3: micro_i8_pair<3>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 4: micro_i8_pair<4>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 5: micro_i8_pair<5>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 6: micro_i8_pair<6>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      case 7: micro_i8_pair<7>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+      default: micro_i8_pair<8>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
+    }
+  }
+}
+
 template <int MR>
 void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t m0,
               const float* scale, float* out, int64_t ldo, int64_t n_valid) {
@@ -405,19 +482,22 @@ bool cpu_has_vnni() {
 
 // The activations of a call, quantized row by row (see quantize_row).
 struct QuantizedRows {
-  torch::Tensor xq, dx, xs;
+  torch::Tensor xq, dx, xs, xqs;
   Rows rows;
 };
 
 QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1);
   QuantizedRows q{torch::empty({M, G * kGroup}, x.options().dtype(torch::kInt8)),
-                  torch::empty({M, G}, x.options()), torch::empty({M, G}, x.options()), {}};
+                  torch::empty({M, G}, x.options()), torch::empty({M, G}, x.options()),
+                  torch::empty({M, G}, x.options().dtype(torch::kInt32)), {}};
   const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m)
     quantize_row(xp + m * K, K, G, q.xq.data_ptr<int8_t>() + m * G * kGroup,
-                 q.dx.data_ptr<float>() + m * G, q.xs.data_ptr<float>() + m * G);
-  q.rows = Rows{q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.xs.data_ptr<float>(), G};
+                 q.dx.data_ptr<float>() + m * G, q.xs.data_ptr<float>() + m * G,
+                 q.xqs.data_ptr<int32_t>() + m * G);
+  q.rows = Rows{q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.xs.data_ptr<float>(),
+                q.xqs.data_ptr<int32_t>(), G};
   return q;
 }
 
@@ -484,6 +564,7 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
                   scale.numel() == packed.size(0) * kFeatures,
               "scale must be contiguous float32 [panels * 8]");
   auto [xf, vnni] = check_call(x, packed, kBlockI8, N, use_vnni);
+  const bool use_pairs = use_vnni != 1;
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
   const QuantizedRows q = quantize_rows(xf, G);
   auto out = torch::empty({M, N}, xf.options());
@@ -491,7 +572,12 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
+    int64_t p = p0;
+    for (; vnni && use_pairs && p + 1 < p1; p += 2)
+      panel_pair_all_rows_i8(wp + p * G * kBlockI8, wp + (p + 1) * G * kBlockI8, q.rows, M,
+                             sp + p * kFeatures, op + p * kFeatures, N,
+                             std::min<int64_t>(2 * kFeatures, N - p * kFeatures));
+    for (; p < p1; ++p)
       panel_all_rows_i8(vnni, wp + p * G * kBlockI8, q.rows, M, sp + p * kFeatures,
                         op + p * kFeatures, N, std::min<int64_t>(kFeatures, N - p * kFeatures));
   });

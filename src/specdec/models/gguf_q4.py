@@ -1,4 +1,8 @@
-"""4-bit codes taken from a GGUF file as they are, for ``load_model(x.gguf, quantization="q4")``.
+"""``load_model(x.gguf, quantization="q4")``: a q4 model read from a GGUF file tensor by tensor.
+
+:func:`load_gguf_q4` builds the q4 model on the meta device and assigns it the file's tensors one
+at a time (the dense model is never built: for a 1.5B model that would be 3+ GB of bfloat16 at
+peak). Its 4-bit tensors keep their codes as they are.
 
 A GGUF tensor in Q4_0, Q4_1 or Q4_K is already what specdec's q4 format holds: codes 0..15 in
 groups of 32 inputs with one scale and one offset per group (``w = d * q + c``):
@@ -10,24 +14,32 @@ groups of 32 inputs with one scale and one offset per group (``w = d * q + c``):
   2^-11 on a group's scale and offset, far below the 4-bit step).
 
 Those tensors keep the file's codes (re-quantizing their dequantized values would move some
-codes by one step); every other type (Q6_K, Q8_0, F16...) is quantized from its dequantized
-weights by :func:`specdec.kernels.cpu_q4.quantize_q4`, and the loader says which.
+codes by one step); every other type (Q6_K, Q8_0, F16...) is dequantized, rounded to the model's
+dtype (the values a dense load would hold) and quantized by
+:func:`specdec.kernels.cpu_q4.quantize_q4`, and the loader warns naming which. For Llama, the q/k
+rows llama.cpp permutes for its RoPE are put back in Hugging Face order, as transformers' GGUF
+reader does. Norms, biases and the input embedding are dequantized.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specdec.kernels.cpu_q4 import quantize_q4
-from specdec.models.llama import Architecture, ModelConfig
+from specdec.kernels.cpu_q4 import pack_q4, quantize_q4
+from specdec.models.llama import Architecture, LlamaModel, ModelConfig
+from specdec.models.quantized import quantize_linears
 
-__all__ = ["Q4Codes", "gguf_q4_codes", "module_q4_codes"]
+__all__ = ["Q4Codes", "load_gguf_q4"]
 
 Q4Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [out, G, 32] uint8, d, c [out, G] f16
+
+_CHUNK_ROWS = 4096  # rows dequantized or decoded at once: bounds the scratch of a large head
 
 # llama.cpp's tensor names inside ``blk.N``, per (module, part) of specdec's fused layers.
 _PARTS = {
@@ -69,81 +81,199 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # [
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
 
 
-def gguf_q4_codes(path: str | Path) -> dict[str, Q4Codes]:
-    """The 4-bit tensors of a GGUF file as q4 codes, by GGUF tensor name (others are absent)."""
-    from gguf import GGUFReader
-
-    out: dict[str, Q4Codes] = {}
-    for t in GGUFReader(str(path)).tensors:
-        decode = _DECODERS.get(t.tensor_type.name)
-        if decode is None or len(t.shape) != 2:
-            continue
-        cols, rows = (int(s) for s in t.shape)  # GGUF lists the fastest dimension first
-        blocks = np.ascontiguousarray(t.data).reshape(rows * cols // _block_size(t.tensor_type.name), -1)
-        q, d, c = decode(blocks)
-        groups = cols // 32
-        out[t.name] = (
-            torch.from_numpy(np.ascontiguousarray(q)).view(rows, groups, 32),
-            torch.from_numpy(np.ascontiguousarray(d)).view(rows, groups),
-            torch.from_numpy(np.ascontiguousarray(c)).view(rows, groups),
-        )
-    return out
-
-
-def _block_size(type_name: str) -> int:
-    return 256 if type_name.endswith("_K") else 32
+def _hf_row_order(rows: int, heads: int) -> torch.Tensor:
+    """``[rows]`` int64: the file row of each Hugging Face (and specdec) row of a Llama q/k
+    tensor. llama.cpp's converter stores each head's rows as interleaved pairs for its RoPE
+    (``reshape(heads, 2, r / 2).swapaxes(1, 2)``); this is the inverse, as transformers' GGUF
+    reader applies it."""
+    order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(order)
 
 
 def _reverse_permute_rows(codes: Q4Codes, heads: int) -> Q4Codes:
     """Undo llama.cpp's q/k row order for Llama (its RoPE pairs adjacent rows): the rows the
     Hugging Face layout (and specdec) has, for per-row codes."""
-    rows = codes[0].shape[0]
-    order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
-    inverse = torch.argsort(order)
+    inverse = _hf_row_order(codes[0].shape[0], heads)
     return tuple(part[inverse] for part in codes)  # type: ignore[return-value]
 
 
-def module_q4_codes(
-    cfg: ModelConfig, model: torch.nn.Module, file_codes: Mapping[str, Q4Codes]
-) -> tuple[dict[str, Q4Codes], list[str], list[str]]:
-    """q4 codes for every linear module of ``model`` (specdec names, fused parts joined): the
-    file's where it has them, the quantized dequantized weight elsewhere. Returns ``(codes,
-    adopted GGUF names, re-quantized GGUF names)``."""
-    codes: dict[str, Q4Codes] = {}
+def load_gguf_q4(path: Path, dtype: torch.dtype) -> tuple[LlamaModel, object]:
+    """A q4 model read from a GGUF file tensor by tensor: ``(model, hf_config)``.
+
+    The model is a q4 skeleton on the meta device whose state is assigned from the file: each
+    linear layer's packed codes (the file's own for Q4_0/Q4_1/Q4_K parts, the quantized
+    dequantized weight otherwise), biases in float32, norms and input embedding in ``dtype``.
+    At most one dense tensor exists at a time (a chunk of rows of a large one), never the
+    whole dense model. Warns naming the tensors quantized anew."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    cfg = ModelConfig.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = LlamaModel(cfg).to(dtype)
+        quantize_linears(model, "q4")
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    state, adopted, requantized = _q4_state(cfg, _TensorSource(path, tensors), expected, dtype)
+    _check_state(path, state, expected)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+    if requantized:
+        kinds = sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in requantized})
+        warnings.warn(
+            f"{path.name}: q4 kept the file's 4-bit codes of {len(adopted)} tensors and quantized "
+            f"{len(requantized)} others ({', '.join(kinds)}) from their dequantized weights",
+            stacklevel=3,  # the caller of load_model
+        )
+    return model.eval().requires_grad_(False), hf_config
+
+
+class _TensorSource:
+    """The tensors of one GGUF file by name; a missing one raises naming the file."""
+
+    def __init__(self, path: Path, tensors: Mapping[str, object]) -> None:
+        self.path, self.tensors = path, tensors
+
+    def __getitem__(self, name: str):  # a gguf ReaderTensor
+        if name not in self.tensors:
+            raise ValueError(f"{self.path.name} has no tensor {name!r}, which its config requires")
+        return self.tensors[name]
+
+
+def _q4_state(
+    cfg: ModelConfig,
+    tensors: _TensorSource,
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The q4 skeleton's state by specdec name, read from the file, with ``(adopted,
+    re-quantized)`` GGUF names of the linear weights."""
+    state: dict[str, torch.Tensor] = {}
     adopted: list[str] = []
     requantized: list[str] = []
+
+    def linear(module: str, names: list[str]) -> None:
+        groups = expected[f"{module}.packed"][0][1]
+        sizes = _part_sizes(cfg, names)
+        orders = [_row_order(cfg, n, size) for n, size in zip(names, sizes)]
+        codes, own = zip(*(
+            _part_codes(tensors[n], size, groups, o, dtype) for n, size, o in zip(names, sizes, orders)
+        ))  # fmt: skip
+        state[f"{module}.packed"] = pack_q4(*(torch.cat(p) for p in zip(*codes)))
+        for name, kept in zip(names, own):
+            (adopted if kept else requantized).append(name)
+        if f"{module}.bias" in expected:  # the model's dtype first: as a dense load rounds it
+            bias = [_vector(tensors[n.replace(".weight", ".bias")], o) for n, o in zip(names, orders)]
+            state[f"{module}.bias"] = torch.cat(bias).to(dtype).float()
+
     for i in range(cfg.num_layers):
-        layer = model.layers[i]
-        for module_name, parts in _PARTS.items():
-            module = layer.get_submodule(module_name)
-            weight = module.weight.detach()
-            sizes = _part_sizes(cfg, parts, weight.shape[0])
-            pieces, start = [], 0
-            for part, size in zip(parts, sizes):
-                gguf_name = f"blk.{i}.{part}.weight"
-                found = file_codes.get(gguf_name)
-                if found is not None and found[0].shape[0] == size and found[0].shape[1] * 32 == weight.shape[1]:
-                    if cfg.architecture == Architecture.LLAMA and part in ("attn_q", "attn_k"):
-                        heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
-                        found = _reverse_permute_rows(found, heads)
-                    pieces.append(found)
-                    adopted.append(gguf_name)
-                else:
-                    pieces.append(quantize_q4(weight[start : start + size]))
-                    requantized.append(gguf_name)
-                start += size
-            codes[f"layers.{i}.{module_name}"] = tuple(torch.cat(p) for p in zip(*pieces))  # type: ignore[assignment]
-    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
-    found = file_codes.get(head)
-    if found is not None and found[0].shape[0] == model.lm_head.weight.shape[0]:
-        codes["lm_head"] = found
-        adopted.append(head)
-    else:
-        requantized.append(head)
-    return codes, adopted, requantized
+        for module, parts in _PARTS.items():
+            linear(f"layers.{i}.{module}", [f"blk.{i}.{part}.weight" for part in parts])
+        state[f"layers.{i}.input_layernorm.weight"] = _vector(tensors[f"blk.{i}.attn_norm.weight"]).to(dtype)
+        state[f"layers.{i}.post_attention_layernorm.weight"] = _vector(
+            tensors[f"blk.{i}.ffn_norm.weight"]
+        ).to(dtype)
+    linear("lm_head", ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"])
+    state["norm.weight"] = _vector(tensors["output_norm.weight"]).to(dtype)
+    state["embed_tokens.weight"] = _embedding(tensors["token_embd.weight"], dtype)
+    return state, adopted, requantized
 
 
-def _part_sizes(cfg: ModelConfig, parts: tuple[str, ...], rows: int) -> list[int]:
-    if parts[0] == "attn_q":
+def _check_state(path: Path, state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple]) -> None:
+    """Raise naming ``path`` where the state read does not fit the skeleton of its config."""
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{name} {tuple(state[name].shape)} {state[name].dtype} != {expected[name][0]} {expected[name][1]}"
+        for name in set(expected) & set(state)
+        if (tuple(state[name].shape), state[name].dtype) != expected[name]
+    )
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{path.name} does not match the q4 model of its config: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shape or dtype (file != config) {wrong[:5]}"
+        )
+
+
+def _part_sizes(cfg: ModelConfig, names: list[str]) -> list[int]:
+    """Rows of each GGUF part (``names``) of one of specdec's linear modules, by the config."""
+    if ".attn_q." in names[0]:
         return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-    return [rows // len(parts)] * len(parts)
+    if ".ffn_gate." in names[0]:
+        return [cfg.intermediate_size] * 2
+    if ".attn_output." in names[0] or ".ffn_down." in names[0]:
+        return [cfg.hidden_size]
+    return [cfg.vocab_size]
+
+
+def _row_order(cfg: ModelConfig, gguf_name: str, rows: int) -> torch.Tensor | None:
+    """The file rows of a tensor's ``rows`` specdec rows (Llama's q/k and their biases), or
+    ``None`` where the file already has specdec's order."""
+    if cfg.architecture != Architecture.LLAMA or not re.search(r"\.attn_[qk]\.", gguf_name):
+        return None
+    return _hf_row_order(rows, cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads)
+
+
+def _matrix_rows(tensor) -> np.ndarray:  # [rows, bytes (or values) per row], a view of the file
+    rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    return tensor.data.reshape(rows, -1)
+
+
+def _row_chunks(rows: int, order: torch.Tensor | None) -> list[slice | np.ndarray]:
+    """File-row selections of ``_CHUNK_ROWS`` specdec rows each, in specdec's order."""
+    chunks = [slice(r, min(r + _CHUNK_ROWS, rows)) for r in range(0, rows, _CHUNK_ROWS)]
+    return chunks if order is None else [order[c].numpy() for c in chunks]
+
+
+def _part_codes(
+    tensor, rows: int, groups: int, order: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[Q4Codes, bool]:
+    """One GGUF matrix as q4 codes ``(q [rows, G, 32], d, c [rows, G])`` in specdec's row order,
+    and whether they are the file's own (its type is 4-bit) rather than quantized anew."""
+    from gguf import GGML_QUANT_SIZES
+
+    if len(tensor.shape) != 2 or (-(-int(tensor.shape[0]) // 32), int(tensor.shape[1])) != (groups, rows):
+        raise ValueError(
+            f"GGUF tensor {tensor.name} has shape {tuple(int(s) for s in reversed(tensor.shape))}, "
+            f"its config wants {rows} rows of {groups} groups of 32 inputs"
+        )
+    cols = int(tensor.shape[0])
+    raw = _matrix_rows(tensor)
+    decode = _DECODERS.get(tensor.tensor_type.name)
+    chunks: list[Q4Codes] = []
+    for rows_sel in _row_chunks(rows, order):
+        if decode is None:  # the model's dtype first: the values a dense load would quantize
+            chunks.append(quantize_q4(_dequantized(tensor, raw[rows_sel]).to(dtype)))
+            continue
+        blocks = np.ascontiguousarray(raw[rows_sel])
+        n = blocks.shape[0]
+        q, d, c = decode(blocks.reshape(-1, GGML_QUANT_SIZES[tensor.tensor_type][1]))
+        chunks.append((
+            torch.from_numpy(np.ascontiguousarray(q)).view(n, cols // 32, 32),
+            torch.from_numpy(np.ascontiguousarray(d)).view(n, cols // 32),
+            torch.from_numpy(np.ascontiguousarray(c)).view(n, cols // 32),
+        ))  # fmt: skip
+    return tuple(torch.cat(p) for p in zip(*chunks)), decode is not None  # type: ignore[return-value]
+
+
+def _dequantized(tensor, raw_rows: np.ndarray) -> torch.Tensor:
+    """Some rows of a GGUF matrix (``[n, bytes per row]`` as stored) -> ``[n, cols]`` float32."""
+    from gguf.quants import dequantize
+
+    values = dequantize(np.ascontiguousarray(raw_rows), tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).view(raw_rows.shape[0], -1)
+
+
+def _vector(tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """A 1-D GGUF tensor (norm, bias) as ``[n]`` float32, in specdec's order."""
+    values = _dequantized(tensor, _matrix_rows(tensor)).view(-1)
+    return values if order is None else values[order]
+
+
+def _embedding(tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``token_embd.weight`` as ``[vocab, hidden]`` ``dtype``, dequantized a chunk of rows at a time."""
+    cols, rows = (int(s) for s in tensor.shape)
+    raw, out = _matrix_rows(tensor), torch.empty(rows, cols, dtype=dtype)
+    for chunk in _row_chunks(rows, None):
+        out[chunk] = _dequantized(tensor, raw[chunk])
+    return out

@@ -1,14 +1,15 @@
 """Checkpoint loading: Hugging Face directories (safetensors, sharded or not), GGUF files, hub ids.
 
 Only safetensors are read (never pickles). Weights stream tensor by tensor into a model built
-on the meta device, so a checkpoint is never held twice in memory.
+on the meta device, so a checkpoint is never held twice in memory. GGUF files go through
+transformers' GGUF reader into a dense model, except with ``quantization="q4"``: then
+:func:`specdec.models.gguf_q4.load_gguf_q4` assembles the q4 model tensor by tensor.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,16 +194,24 @@ def load_model(
     ``pack`` swaps bf16 linear layers for the packed CPU kernel (``None``: when it helps,
     see :func:`specdec.models.packed.should_pack`). ``quantization`` (``"int8"``, ``"q4"``; CPU)
     stores every linear layer, LM head included, in that format instead (see
-    :mod:`specdec.models.quantized`). Packed and quantized models are cached on disk. Returns
+    :mod:`specdec.models.quantized`). Packed and quantized models are cached on disk (not those
+    read from a GGUF file: a q4 one is read straight from the file, keeping its 4-bit codes, see
+    :mod:`specdec.models.gguf_q4`; int8 quantizes its dense load). Returns
     ``(model, hf_config, model_dir)``; ``model_dir`` holds the tokenizer files.
     """
     check_quantization(quantization, device)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     path = _resolve_source(source)
     if path.suffix == ".gguf":
+        if quantization == "q4":  # assembled tensor by tensor, never as a dense model
+            _import_gguf()
+            from specdec.models.gguf_q4 import load_gguf_q4
+
+            model, hf_config = load_gguf_q4(path, torch_dtype)
+            return _settled(model), hf_config, path
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
         if quantization is not None:
-            _quantize_gguf_model(model, path, quantization)
+            quantize_linears(model, quantization)
         elif pack or (pack is None and should_pack(model)):
             pack_linears(model)
         return _settled(model), hf_config, path
@@ -226,25 +235,6 @@ def load_model(
     if cache_file is not None:
         save_packed(model, cache_file)
     return _settled(model, cache_file if quantization else None), hf_config, path
-
-
-def _quantize_gguf_model(model: LlamaModel, path: Path, quantization: str) -> None:
-    """Quantize a model read from a GGUF file; for q4, its 4-bit tensors keep the file's codes
-    (:mod:`specdec.models.gguf_q4`) and a warning names the tensors quantized anew."""
-    if quantization != "q4":
-        quantize_linears(model, quantization)
-        return
-    from specdec.models.gguf_q4 import gguf_q4_codes, module_q4_codes
-
-    codes, adopted, requantized = module_q4_codes(model.config, model, gguf_q4_codes(path))
-    quantize_linears(model, "q4", codes)
-    if requantized:
-        kinds = sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in requantized})
-        warnings.warn(
-            f"{path.name}: q4 kept the file's 4-bit codes of {len(adopted)} tensors and quantized "
-            f"{len(requantized)} others ({', '.join(kinds)}) from their dequantized weights",
-            stacklevel=3,
-        )
 
 
 def _settled(model: LlamaModel, cache_file: Path | None = None) -> LlamaModel:
@@ -292,12 +282,16 @@ def _resolve_source(source: str | Path) -> Path:
     return Path(resolve_model(str(source)))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object, Path]:
-    """Dequantize a GGUF file through transformers' GGUF reader (needs the ``gguf`` extra)."""
+def _import_gguf() -> None:
     try:
         import gguf  # noqa: F401
     except ImportError as err:
         raise ImportError("loading .gguf files needs the gguf extra: pip install 'specdec[gguf]'") from err
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object, Path]:
+    """Dequantize a GGUF file through transformers' GGUF reader (needs the ``gguf`` extra)."""
+    _import_gguf()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
