@@ -30,7 +30,9 @@ Systems:
     specdec-int8-plain, specdec-q4-plain  the target's linear layers stored as int8 / 4-bit
                     (another model: its greedy output is checked against its own plain decoder)
     specdec-int8-draft, specdec-q4-draft  the same target with a draft model stored in the
-                    same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy
+                    same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy;
+                    ``-draft-confident``: fixed k as a ceiling, each chain ending after a draft
+                    token of draft probability below --draft-confidence
     llamacpp-plain  llama.cpp through llama-cpp-python on --llamacpp-target (a GGUF file, e.g.
                     the Q4_K_M the known models come from), batch 1, greedy; its own stack
     llamacpp-lookup the same with llama-cpp-python's speculation (LlamaPromptLookupDecoding,
@@ -336,6 +338,7 @@ class ModelPool:
         self.tree_top_k = 4
         self.tree_depth = 5
         self.draft_quantization: str | None = None
+        self.draft_confidence = 0.0  # specdec-*-draft-confident: where a chain ends
         self._drafts: dict[str | None, object] = {}
         self._targets: dict[str | None, object] = {}
         self.dtype = dtype
@@ -442,20 +445,28 @@ def _specdec_draft(
 
 
 def _specdec_quantized(
-    pool: ModelPool, k: int | None, *, quantization: str, draft: bool = False, adaptive: bool = False
+    pool: ModelPool,
+    k: int | None,
+    *,
+    quantization: str,
+    draft: bool = False,
+    adaptive: bool = False,
+    confident: bool = False,
 ) -> SpecdecRunner:
     """A target stored with ``quantization``, plain or with a draft model stored the same way
-    (the fastest draft for a quantized target: what a user of that format would run)."""
+    (the fastest draft for a quantized target: what a user of that format would run);
+    ``confident``: chains end below --draft-confidence (k is a ceiling)."""
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
     if not draft:
         return SpecdecRunner(pool.specdec_generator(None, quantization=quantization))
     model = pool.draft_model(quantization)
+    threshold = pool.draft_confidence if confident else 0.0
 
     def build():
         return pool.specdec_generator(
-            DraftModel.from_model(model, num_speculative_tokens=k),
+            DraftModel.from_model(model, num_speculative_tokens=k, confidence_threshold=threshold),
             policy=None if adaptive else FixedPolicy(k),
             quantization=quantization,
         )
@@ -480,6 +491,12 @@ def _quantized_systems(quantization: str) -> tuple[System, ...]:
             speculative=True,
             plain=plain,
             largest_k_only=True,
+        ),
+        System(
+            name=f"specdec-{quantization}-draft-confident",
+            build=functools.partial(build, draft=True, confident=True),
+            speculative=True,
+            plain=plain,
         ),
     )
 
@@ -688,6 +705,7 @@ class HarnessConfig:
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
     draft_quantization: str | None = None  # "int8": the draft's linear layers as int8
+    draft_confidence: float = 0.4  # the -draft-confident systems' confidence_threshold
     # Per-system k lists that replace ``ks`` (e.g. one k for transformers' slower systems).
     system_ks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     mtp_head: str | None = None
@@ -757,6 +775,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     mtp_head = Path(cfg.mtp_head) if cfg.mtp_head else None
     pool = ModelPool(target_path, draft_path, cfg.dtype, cache, tokenizer, mtp_head)
     pool.draft_quantization = cfg.draft_quantization
+    pool.draft_confidence = cfg.draft_confidence
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
     pool.eagle_head = Path(cfg.eagle_head) if cfg.eagle_head else None
     pool.llamacpp_target = Path(cfg.llamacpp_target) if cfg.llamacpp_target else None
@@ -807,6 +826,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "config": attrs.asdict(cfg),
         "models": {"target": str(target_path), "draft": str(draft_path),
                    "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
+                   "draft_confidence": cfg.draft_confidence,
                    "mtp_draft_vocab": cfg.mtp_draft_vocab, "eagle_head": cfg.eagle_head,
                    "llamacpp_target": cfg.llamacpp_target,
                    "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
@@ -1335,6 +1355,10 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument(
         "--draft-quantization", choices=("int8",), default=d.draft_quantization,
         help="specdec draft systems: the draft's linear layers as int8",
+    )
+    ap.add_argument(
+        "--draft-confidence", type=float, default=d.draft_confidence,
+        help="the -draft-confident systems: a chain ends after a draft token of lower draft probability",
     )
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")

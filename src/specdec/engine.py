@@ -256,8 +256,11 @@ class Engine:
         _check_proposal(proposal, len(drafting), lookahead, self.proposer.kind)
         drafted = proposal.draft_token_ids.tolist()  # host sync: the drafting is done
         timing.draft_s = self._clock() - start
+        # A chain's width is the number of drafting steps actually taken (a proposer may end
+        # its chains before the lookahead); a tree's cost grows with the nodes asked for.
+        steps = proposal.width if proposal.kind is ProposalKind.CHAIN else lookahead
         self.policy.observe_propose(
-            len(drafting), lookahead, timing.draft_s, sum(unseen[i] for i in drafting)
+            len(drafting), steps, timing.draft_s, sum(unseen[i] for i in drafting)
         )
         proposal = _spread(proposal, drafting, len(reqs))
         drafts = [[PAD_TOKEN_ID] * proposal.width for _ in reqs]

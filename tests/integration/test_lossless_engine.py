@@ -67,7 +67,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | mtp | mtp-vocab | lookup
+    proposer: str = "draft"  # draft | draft-confident | mtp | mtp-vocab | lookup
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -93,6 +93,8 @@ CASES = [
     Case("t1.0", 3, "lookup", "stream"),
     Case("t0.8-topk8-topp0.9", 2, "lookup", "seeded"),
     Case("t1.0", 3, "mtp-vocab", "stream"),
+    Case("t1.0", 3, "draft-confident", "stream"),
+    Case("t0.8-topk8-topp0.9", 3, "draft-confident", "seeded"),
     Case("t1.0", 3, "draft", "stream", pages="tight"),
     Case("t0.8-topk8-topp0.9", 2, "mtp", "seeded", pages="tight"),
 ]
@@ -147,6 +149,8 @@ def build_head(target) -> MTPHeadModel:
 def _proposer(models, kind: str, k: int):
     if kind == "draft":
         return DraftModel.from_model(models[2], num_speculative_tokens=k)
+    if kind == "draft-confident":  # chains end after a draft token of draft probability < 0.15
+        return DraftModel.from_model(models[2], num_speculative_tokens=k, confidence_threshold=0.15)
     if kind == "lookup":
         return PromptLookup(num_speculative_tokens=k)
     # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere).
@@ -282,6 +286,9 @@ def test_generator_output_matches_the_target_distribution(models, case):
         assert 5 < accepted < 0.98 * drafted, (j, drafted, accepted)
     if case.policy == "random":
         assert len(m.k_histogram) == case.k + 1  # every k from 0 to k was chosen
+    if case.proposer == "draft-confident":  # chains of every length, the longer ones fewer
+        first, second, third = m.drafted_per_position
+        assert first > 1.5 * second and second > 1.5 * third, m.drafted_per_position
 
 
 def _swapped_acceptance(target_at_draft, draft_at_draft):

@@ -38,6 +38,27 @@ def test_draft_model_greedy_exact_tiny_float64(tiny_pair, k):
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
 
 
+@pytest.mark.parametrize("threshold", [0.15, 0.3])
+def test_draft_model_with_a_confidence_threshold_is_greedy_exact(tiny_pair, threshold):
+    """Chains that end where the draft hesitates (k = 6 a ceiling), in a batch whose chains
+    end at different steps: the same output as plain decoding, and chains of several lengths."""
+    target, draft = tiny_pair
+    prompts = _prompts(target.config.vocab_size, 5, seed=7)
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    proposer = DraftModel.from_model(draft, num_speculative_tokens=6, confidence_threshold=threshold)
+    gen = Generator.from_components(target, proposer=proposer, policy=FixedPolicy(6))
+    spec = gen.generate(prompts, GREEDY)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    drafted = gen.metrics.drafted_per_position
+    assert drafted[0] > drafted[-1] and len(set(drafted)) > 2, drafted  # chains of many lengths
+    assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+def test_confidence_threshold_is_checked():
+    with pytest.raises(ValueError, match=r"confidence_threshold must be in \[0, 1\), got 1.0"):
+        DraftModel.from_pretrained("no-such-draft", confidence_threshold=1.0)
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_prompt_lookup_greedy_exact_tiny_float64(tiny_pair, k):
     target, _ = tiny_pair

@@ -7,6 +7,13 @@ k-th draft when all drafts were accepted), which yields the logits for draft tok
 takes k - 1 single-token steps. That is k draft forwards per step, the minimum, with the prefill
 folded into the first of them. Rollback is bookkeeping: after the target's step the draft's
 valid length is cut to the target's committed length, and stale slots are simply overwritten.
+
+With ``confidence_threshold`` a sequence's chain ends at the first draft token the draft itself
+gives less than that probability (the token is still proposed), and drafting stops when every
+sequence's chain has ended: k is then a ceiling. Where the draft hesitates the target usually
+disagrees, so the forwards saved cost little acceptance (the dynamic draft length of
+transformers' assisted generation and of SpecDec++). The stopping rule reads the draft's
+distribution only, never the target's, so the verifiers stay exact.
 """
 
 from __future__ import annotations
@@ -16,14 +23,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from specdec.config import speculative_tokens
+from specdec.config import speculative_tokens, unit_interval_closed_open
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.models.quantized import check_quantization
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
-from specdec.types import DraftProposal, ProposalKind
+from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
 __all__ = ["DraftModel", "DraftModelConfig"]
 
@@ -31,6 +38,9 @@ __all__ = ["DraftModel", "DraftModelConfig"]
 @attrs.frozen(kw_only=True)
 class DraftModelConfig:
     num_speculative_tokens: int = attrs.field(default=4, validator=speculative_tokens)
+    # A chain ends after a draft token of lower draft probability (softmax of the draft's raw
+    # logits); 0 drafts every chain to k.
+    confidence_threshold: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
 
 
 class DraftModel:
@@ -60,18 +70,28 @@ class DraftModel:
         dtype: str | torch.dtype = "bfloat16",
         device: str | torch.device = "cpu",
         quantization: str | None = None,
+        confidence_threshold: float = 0.0,
     ) -> DraftModel:
         """Load a draft model. ``quantization="int8"`` or ``"q4"`` stores its linear layers as
         weight-only int8 or 4-bit (CPU): less time per draft token at batch 1, slightly
-        different proposals, the same output (the verifier uses the draft's own probabilities)."""
-        config = DraftModelConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
+        different proposals, the same output (the verifier uses the draft's own probabilities).
+        ``confidence_threshold`` in [0, 1): end a chain after a token the draft gives less than
+        that probability (module docstring); 0 always drafts k tokens."""
+        config = DraftModelConfig(
+            num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
+        )  # validate first
         check_quantization(quantization, device)
         model, _, _ = load_model(path, dtype=dtype, device=device, quantization=quantization)
         return cls(model, config)
 
     @classmethod
-    def from_model(cls, model: LlamaModel, *, num_speculative_tokens: int = 4) -> DraftModel:
-        return cls(model, DraftModelConfig(num_speculative_tokens=num_speculative_tokens))
+    def from_model(
+        cls, model: LlamaModel, *, num_speculative_tokens: int = 4, confidence_threshold: float = 0.0
+    ) -> DraftModel:
+        config = DraftModelConfig(
+            num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
+        )
+        return cls(model, config)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -99,8 +119,10 @@ class DraftModel:
         all_greedy = all(p.is_greedy for p in ctx.params)
         starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
         rows = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
-        drafted: list[torch.Tensor] = []  # k x [batch] int64
-        probs: list[torch.Tensor] = []  # k x [batch, vocab]
+        drafted: list[torch.Tensor] = []  # steps x [batch] int64
+        probs: list[torch.Tensor] = []  # steps x [batch, vocab]
+        threshold = self.config.confidence_threshold
+        num_draft = [k] * len(rows)  # where each chain ends
         for step in range(k):
             layout = ctx.kv.layout(ctx.seq_ids, rows, starts, device=self.model.device)
             plan = ctx.backend.plan(layout, spec)
@@ -115,16 +137,20 @@ class DraftModel:
                 probs.append(step_probs)
             drafted.append(tokens)
             starts = [s + len(r) for s, r in zip(starts, rows)]
+            if threshold > 0 and _chains_end(logits, tokens, threshold, step, num_draft):
+                break
             if step + 1 < k:
                 rows = [[t] for t in tokens.tolist()]
         for seq_id, start in zip(ctx.seq_ids, starts):
             self._computed[seq_id] = start
-        draft_token_ids = torch.stack(drafted, dim=1)  # [batch, k]
+        draft_token_ids = torch.stack(drafted, dim=1)  # [batch, steps]
+        ended = torch.arange(len(drafted)).unsqueeze(0) >= torch.tensor(num_draft).unsqueeze(1)
+        draft_token_ids = draft_token_ids.masked_fill(ended.to(draft_token_ids.device), PAD_TOKEN_ID)
         return DraftProposal(
             kind=ProposalKind.CHAIN,
             draft_token_ids=draft_token_ids,
-            num_draft_tokens=(k,) * len(ctx.seq_ids),
-            draft_probs=torch.stack(probs, dim=1) if probs else None,  # [batch, k, vocab]
+            num_draft_tokens=tuple(num_draft),
+            draft_probs=torch.stack(probs, dim=1) if probs else None,  # [batch, steps, vocab]
         )
 
     def on_target_step(self, step: TargetStep) -> None:
@@ -136,3 +162,18 @@ class DraftModel:
 
     def release(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
+
+
+def _chains_end(
+    logits: torch.Tensor,  # [batch, vocab] the draft's raw logits at this step
+    tokens: torch.Tensor,  # [batch] the tokens drafted from them
+    threshold: float,
+    step: int,
+    num_draft: list[int],  # updated in place: a chain ending here keeps step + 1 drafts
+) -> bool:
+    """End the chains whose token has draft probability below ``threshold``; whether all ended."""
+    confidence = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).exp()
+    for i, low in enumerate((confidence < threshold).tolist()):
+        if low and num_draft[i] > step + 1:
+            num_draft[i] = step + 1
+    return all(n <= step + 1 for n in num_draft)
