@@ -32,7 +32,8 @@ Systems:
     specdec-int8-draft, specdec-q4-draft  the same target with a draft model stored in the
                     same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy;
                     ``-draft-confident``: fixed k as a ceiling, each chain ending after a draft
-                    token of draft probability below --draft-confidence
+                    token of draft probability below --draft-confidence; ``-draft-adaptive-
+                    confident``: both
     llamacpp-plain  llama.cpp through llama-cpp-python on --llamacpp-target (a GGUF file, e.g.
                     the Q4_K_M the known models come from), batch 1, greedy; its own stack
     llamacpp-lookup the same with llama-cpp-python's speculation (LlamaPromptLookupDecoding,
@@ -497,6 +498,13 @@ def _quantized_systems(quantization: str) -> tuple[System, ...]:
             build=functools.partial(build, draft=True, confident=True),
             speculative=True,
             plain=plain,
+        ),
+        System(
+            name=f"specdec-{quantization}-draft-adaptive-confident",
+            build=functools.partial(build, draft=True, adaptive=True, confident=True),
+            speculative=True,
+            plain=plain,
+            largest_k_only=True,
         ),
     )
 

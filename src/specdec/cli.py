@@ -161,6 +161,13 @@ def _parser() -> argparse.ArgumentParser:
         "same output)",
     )
     gen.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=0.0,
+        help="--draft: end a chain after a draft token the draft gives less than this "
+        "probability (0 <= c < 1; -k is then a ceiling; 0, the default, always drafts -k)",
+    )
+    gen.add_argument(
         "--quantization",
         choices=("int8", "q4"),
         default=None,
@@ -331,6 +338,7 @@ def _proposer(args: argparse.Namespace):
             dtype=args.dtype,
             device=args.device,
             quantization=args.draft_quantization,
+            confidence_threshold=args.draft_confidence,
         )
     if args.mtp_head:
         from specdec.proposers import MTPHead

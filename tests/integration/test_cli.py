@@ -66,6 +66,15 @@ def test_generate_with_a_4bit_target_and_draft(capsys):
     assert main([*base, *draft]) == 0
     spec = capsys.readouterr().out
     assert spec.split("\n[")[0] == plain and "acceptance" in spec
+    assert main([*base, *draft, "--draft-confidence", "0.5"]) == 0  # chains end where it hesitates
+    assert capsys.readouterr().out.split("\n[")[0] == plain
+
+
+def test_generate_refuses_a_bad_draft_confidence(capsys):
+    args = ["generate", "--target", str(bundled_model_path()), "--prompt", "x",
+            "--draft", str(bundled_model_path()), "--draft-confidence", "1.5"]  # fmt: skip
+    assert main(args) == 2
+    assert "confidence_threshold must be in [0, 1), got 1.5" in capsys.readouterr().err
 
 
 def test_demo_quantization_defaults():

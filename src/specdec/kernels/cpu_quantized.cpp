@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -193,6 +194,26 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
 }
 
+// Rows 0 .. M - 1 in blocks of at most `step`: f(std::integral_constant<int, MR>, m0, first)
+// for each block, MR its row count as a compile-time constant (the micro-kernels' register
+// arrays are sized by it); `first` marks the block that streams the panel from memory.
+template <typename F>
+inline void for_row_blocks(int64_t M, int64_t step, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    const bool first = m0 == 0;
+    switch (std::min<int64_t>(step, M - m0)) {
+      case 1: f(std::integral_constant<int, 1>{}, m0, first); break;
+      case 2: f(std::integral_constant<int, 2>{}, m0, first); break;
+      case 3: f(std::integral_constant<int, 3>{}, m0, first); break;
+      case 4: f(std::integral_constant<int, 4>{}, m0, first); break;
+      case 5: f(std::integral_constant<int, 5>{}, m0, first); break;
+      case 6: f(std::integral_constant<int, 6>{}, m0, first); break;
+      case 7: f(std::integral_constant<int, 7>{}, m0, first); break;
+      default: f(std::integral_constant<int, 8>{}, m0, first); break;
+    }
+  }
+}
+
 // Two panels at once with 512-bit vectors (VNNI CPUs): features 0..7 from panel A, 8..15 from
 // panel B, so each activation broadcast and each vpdpbusd serves 16 features, halving the
 // per-row instructions of a verify pass. Lane for lane the same integer dots and the same float
@@ -266,19 +287,9 @@ void micro_pair(bool first, const uint8_t* a, const uint8_t* b, const Rows& r, i
 // All M rows times two adjacent panels (VNNI only); n_valid counts both panels' features.
 void panel_pair_all_rows(const uint8_t* a, const uint8_t* b, const Rows& r, int64_t M, float* out,
                          int64_t ldo, int64_t n_valid) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsVnni) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(kMaxRowsVnni, M - m0)) {
-      case 1: micro_pair<1>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 2: micro_pair<2>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 3: micro_pair<3>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 4: micro_pair<4>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 5: micro_pair<5>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 6: micro_pair<6>(first, a, b, r, m0, out, ldo, n_valid); break;
-      case 7: micro_pair<7>(first, a, b, r, m0, out, ldo, n_valid); break;
-      default: micro_pair<8>(first, a, b, r, m0, out, ldo, n_valid); break;
-    }
-  }
+  for_row_blocks(M, kMaxRowsVnni, [&](auto mr, int64_t m0, bool first) {
+    micro_pair<decltype(mr)::value>(first, a, b, r, m0, out, ldo, n_valid);
+  });
 }
 
 template <int MR>
@@ -297,20 +308,9 @@ void micro(bool vnni, bool first, const uint8_t* panel, const Rows& r, int64_t m
 // the panel from memory, the others find it in cache.
 void panel_all_rows(bool vnni, const uint8_t* panel, const Rows& r, int64_t M, float* out,
                     int64_t ldo, int64_t n_valid) {
-  const int64_t step = vnni ? kMaxRowsVnni : kMaxRowsAvx2;
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(step, M - m0)) {
-      case 1: micro<1>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 2: micro<2>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 3: micro<3>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 4: micro<4>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 5: micro<5>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 6: micro<6>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      case 7: micro<7>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-      default: micro<8>(vnni, first, panel, r, m0, out, ldo, n_valid); break;
-    }
-  }
+  for_row_blocks(M, vnni ? kMaxRowsVnni : kMaxRowsAvx2, [&](auto mr, int64_t m0, bool first) {
+    micro<decltype(mr)::value>(vnni, first, panel, r, m0, out, ldo, n_valid);
+  });
 }
 
 // ---------------------------------------------------------------------------------- int8
@@ -430,19 +430,9 @@ void micro_i8_pair(bool first, const int8_t* a, const int8_t* b, const Rows& r, 
 
 void panel_pair_all_rows_i8(const int8_t* a, const int8_t* b, const Rows& r, int64_t M,
                             const float* scale, float* out, int64_t ldo, int64_t n_valid) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsVnni) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(kMaxRowsVnni, M - m0)) {
-      case 1: micro_i8_pair<1>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 2: micro_i8_pair<2>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 3: micro_i8_pair<3>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 4: micro_i8_pair<4>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 5: micro_i8_pair<5>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 6: micro_i8_pair<6>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      case 7: micro_i8_pair<7>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-      default: micro_i8_pair<8>(first, a, b, r, m0, scale, out, ldo, n_valid); break;
-    }
-  }
+  for_row_blocks(M, kMaxRowsVnni, [&](auto mr, int64_t m0, bool first) {
+    micro_i8_pair<decltype(mr)::value>(first, a, b, r, m0, scale, out, ldo, n_valid);
+  });
 }
 
 template <int MR>
@@ -459,20 +449,9 @@ void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t
 
 void panel_all_rows_i8(bool vnni, const int8_t* panel, const Rows& r, int64_t M, const float* scale,
                        float* out, int64_t ldo, int64_t n_valid) {
-  const int64_t step = vnni ? kMaxRowsVnni : kMaxRowsAvx2;
-  for (int64_t m0 = 0; m0 < M; m0 += step) {
-    const bool first = m0 == 0;
-    switch (std::min<int64_t>(step, M - m0)) {
-      case 1: micro_i8<1>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 2: micro_i8<2>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 3: micro_i8<3>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 4: micro_i8<4>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 5: micro_i8<5>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 6: micro_i8<6>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      case 7: micro_i8<7>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-      default: micro_i8<8>(vnni, first, panel, r, m0, scale, out, ldo, n_valid); break;
-    }
-  }
+  for_row_blocks(M, vnni ? kMaxRowsVnni : kMaxRowsAvx2, [&](auto mr, int64_t m0, bool first) {
+    micro_i8<decltype(mr)::value>(vnni, first, panel, r, m0, scale, out, ldo, n_valid);
+  });
 }
 
 bool cpu_has_vnni() {

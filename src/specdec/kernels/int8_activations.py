@@ -24,6 +24,8 @@ def quantize_activations(
     groups = -(-in_features // GROUP)
     g = torch.nn.functional.pad(x.float(), (0, groups * GROUP - in_features)).view(rows, groups, GROUP)
     amax = g.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # One correctly rounded division, as the kernel does: torch's ``127.0 / amax`` is a
+    # reciprocal times 127 (two roundings), which moves a code by one near a tie.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(g * inv.unsqueeze(-1)).to(torch.int8)
     return xq, amax / 127.0, g.sum(-1)
