@@ -111,6 +111,22 @@ __attribute__((always_inline)) inline void prefetch_block(const void* blk, int64
   for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch(ahead + offset, _MM_HINT_T0);
 }
 
+// Software prefetch for a pass over two adjacent panels (a, then b = a + stride in memory),
+// kPrefetchBytes ahead *in the order the pass reads*: group g + D of both panels, or, past the
+// last group, the same groups of the next pair (a + 2 stride). Prefetching a + kPrefetchBytes
+// instead would fetch b's blocks that are already on their way and miss the start of the next
+// pair's second panel: with K = 1536 (7.7 KB per q4 panel) that made a one-row pass 1.7x slower.
+__attribute__((always_inline)) inline void prefetch_pair(const uint8_t* a, const uint8_t* b, int64_t g,
+                                                         int64_t G, int64_t block) {
+  const int64_t ahead = g + kPrefetchBytes / block;
+  const int64_t next = ahead < G ? 0 : 2 * (b - a);  // bytes to the next pair
+  const int64_t offset = next + (ahead < G ? ahead : ahead - G) * block;
+  for (int64_t line = 0; line < block; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a + offset + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + offset + line), _MM_HINT_T0);
+  }
+}
+
 // The float part of one q4 group for MR rows, from their exact int32 dots (8 features each):
 // acc = fma(dot, d * dx, acc); acc = fma(c, xs, acc). Shared by the AVX2 and VNNI kernels.
 template <int MR>
@@ -246,10 +262,7 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
   for (int64_t g = 0; g < r.G; ++g) {
     const uint8_t* a = panel_a + g * kBlock;
     const uint8_t* b = panel_b + g * kBlock;
-    if (PREFETCH) {
-      prefetch_block(a, kBlock);
-      prefetch_block(b, kBlock);
-    }
+    if (PREFETCH) prefetch_pair(panel_a, panel_b, g, r.G, kBlock);
     __m512i isum[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
@@ -390,10 +403,8 @@ void micro_i8_vnni_pair(const int8_t* panel_a, const int8_t* panel_b, const Rows
   for (int64_t g = 0; g < r.G; ++g) {
     const int8_t* a = panel_a + g * kBlockI8;
     const int8_t* b = panel_b + g * kBlockI8;
-    if (PREFETCH) {
-      prefetch_block(a, kBlockI8);
-      prefetch_block(b, kBlockI8);
-    }
+    if (PREFETCH) prefetch_pair(reinterpret_cast<const uint8_t*>(panel_a),
+                                reinterpret_cast<const uint8_t*>(panel_b), g, r.G, kBlockI8);
     __m512i isum[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm512_set1_epi32(-r.xqs[(m0 + m) * r.G + g]);
@@ -480,6 +491,18 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {
   return q;
 }
 
+// Whether a VNNI pass takes two panels at a time (use_vnni 2: always, 1: never, -1: where it
+// measured faster). Pairs halve the instructions per row but read two streams; on short panels
+// (K = 1536: 48 groups) a one-row pass streamed from memory was ~1.4x slower with pairs than one
+// panel at a time, on long panels (K = 8960) or many rows pairs win (benchmarks/quant_kernels).
+// Every choice gives the same bits, so this only moves time.
+constexpr int64_t kPairMinGroups = 128;
+constexpr int64_t kPairMinRows = 5;
+bool pairs_pay(int64_t use_vnni, int64_t M, int64_t G) {
+  if (use_vnni != -1) return use_vnni == 2;
+  return G >= kPairMinGroups || M >= kPairMinRows;
+}
+
 // Shared argument checks; returns x as contiguous float32 and whether to use VNNI.
 std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& packed,
                                           int64_t block, int64_t N, int64_t use_vnni) {
@@ -515,8 +538,8 @@ torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
                               c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed must be uint8");
   auto [xf, vnni] = check_call(x, packed, kBlock, N, use_vnni);
-  const bool use_pairs = use_vnni != 1;
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
+  const bool use_pairs = pairs_pay(use_vnni, M, G);
   const QuantizedRows q = quantize_rows(xf, G);
   auto out = torch::empty({M, N}, xf.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -543,8 +566,8 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
                   scale.numel() == packed.size(0) * kFeatures,
               "scale must be contiguous float32 [panels * 8]");
   auto [xf, vnni] = check_call(x, packed, kBlockI8, N, use_vnni);
-  const bool use_pairs = use_vnni != 1;
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
+  const bool use_pairs = pairs_pay(use_vnni, M, G);
   const QuantizedRows q = quantize_rows(xf, G);
   auto out = torch::empty({M, N}, xf.options());
   const int8_t* wp = packed.data_ptr<int8_t>();
