@@ -346,7 +346,7 @@ class Engine:
     def _target_pass(self, layout: BatchLayout, timing: _StepTiming, **kwargs) -> ModelOutput:
         """The target's forward over ``layout``, with hidden states when the proposer wants them."""
         timing.rows = layout.num_tokens
-        plan = self.backend.plan(layout, self.target.config.attention_spec)
+        plan = self.backend.plan(layout, self.target.attention_spec)
         if self.proposer is not None and self.proposer.needs_target_hidden:
             # The inputs of the target layers the proposer names (EAGLE-3: three), else the
             # last layer's output.

@@ -20,6 +20,9 @@ import torch
 
 from specdec.attention import default_backend
 from specdec.config import MAX_SPECULATIVE_TOKENS, CacheConfig, SamplingParams
+from specdec.distributed.follower import Follower
+from specdec.distributed.journal import JournaledKVCacheManager
+from specdec.distributed.model import TensorParallelLlama, load_tensor_parallel
 from specdec.engine import Engine
 from specdec.handle import RequestHandle
 from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
@@ -65,6 +68,10 @@ class Generator:
     their requests share the engine's batches, one step at a time, and each gets exactly the
     output it would get alone (see "Threads and asyncio" in docs/concepts.md).
 
+    Under tensor parallelism (``tensor_parallel_size=N``, docs/distributed.md) every rank
+    builds the generator and makes the same ``generate`` calls; rank 0 runs everything and
+    returns the outputs, the other ranks follow its steps over their shards and get ``None``.
+
     Example:
         >>> gen = Generator.from_pretrained("path/to/target", dtype="bfloat16")
         >>> gen.generate("def fib(n):", SamplingParams(max_new_tokens=32)).text
@@ -85,6 +92,14 @@ class Generator:
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
         _check_components(proposer, verifier, cache_config)
+        self._follower: Follower | None = None
+        if isinstance(target, TensorParallelLlama) and not target.group.is_leader:
+            # Another rank: no scheduler, proposer or sampler; it follows rank 0's steps.
+            self.target, self.tokenizer, self.proposer = target, tokenizer, None
+            self._follower = Follower(target, backend or default_backend(target.device))
+            self.kv = self._follower.kv
+            self._lock = threading.RLock()
+            return
         policy = _resolve_policy(policy, proposer)
         attach = getattr(proposer, "attach", None)
         if attach is not None:  # binds proposers built on the target (MTP/EAGLE heads); checks
@@ -104,8 +119,10 @@ class Generator:
         num_pages = cache_config.num_pages or cache_config.max_batch_size * math.ceil(
             self.max_seq_slots / cache_config.page_size
         )
-        self.kv = KVCacheManager(PageAllocator(num_pages), cache_config.page_size)
-        target_kv = self.kv.add_pool(cfg.kv_spec("target", target.dtype), target.device)
+        parallel = isinstance(target, TensorParallelLlama)
+        manager = JournaledKVCacheManager if parallel else KVCacheManager
+        self.kv = manager(PageAllocator(num_pages), cache_config.page_size)
+        target_kv = self.kv.add_pool(target.kv_spec("target"), target.device)
         proposer_kv = None
         if proposer is not None:
             specs = proposer.kv_specs()
@@ -141,6 +158,8 @@ class Generator:
         self._tokenizer_lock = threading.Lock()
         self._next_seq_id = 0
         self._num_steps = 0
+        if parallel:
+            target.bind(self.kv)  # the other ranks build the same pages
 
     # ----------------------------------------------------------- construction
     @classmethod
@@ -154,16 +173,29 @@ class Generator:
         cache_config: CacheConfig | None = None,
         policy: SpeculationPolicy | int | None = None,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
 
         ``quantization`` (CPU): ``"int8"`` or ``"q4"`` stores the target's linear layers as
         weight-only int8 or 4-bit (see :mod:`specdec.models.quantized`); speculation then
-        reproduces the quantized model's own greedy output exactly."""
+        reproduces the quantized model's own greedy output exactly.
+
+        ``tensor_parallel_size=N`` (N > 1) shards the target over the N ranks of a group
+        started by ``torchrun --nproc-per-node N`` or :func:`specdec.distributed.launch`; call
+        this on every rank (rank 0 keeps the proposer; other ranks ignore it). Each rank reads
+        only its slices of a safetensors checkpoint (see docs/distributed.md)."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
-        _resolve_policy(policy, proposer)
+        _check_tensor_parallel(tensor_parallel_size, quantization)
+        if tensor_parallel_size == 1 or proposer is not None:  # other ranks ignore the policy
+            _resolve_policy(policy, proposer)
         check_quantization(quantization, device)
-        model, _, path = load_model(target, dtype=dtype, device=device, quantization=quantization)
+        if tensor_parallel_size > 1:
+            model, _, path = load_tensor_parallel(
+                target, tensor_parallel_size, dtype=dtype, device=device
+            )
+        else:
+            model, _, path = load_model(target, dtype=dtype, device=device, quantization=quantization)
         tokenizer = load_tokenizer(path)
         return cls(
             target=model,
@@ -207,6 +239,11 @@ class Generator:
         """A generator sharing this one's target weights, tokenizer and EOS ids, with another
         proposer (``None``: plain decoding), its own KV cache and its own speculation policy
         (a fresh ``AdaptivePolicy()`` unless ``policy`` is given)."""
+        if isinstance(self.target, TensorParallelLlama):
+            raise ValueError(
+                "with_proposer is not supported under tensor parallelism (a sharded target serves "
+                "one Generator): build another with from_pretrained(..., tensor_parallel_size=N)"
+            )
         other = Generator(
             target=self.target,
             tokenizer=self.tokenizer,
@@ -232,7 +269,20 @@ class Generator:
         Runs through the same engine as :meth:`submit` (requests submitted elsewhere advance
         too). If a request fails (see ``Engine.step``), the others still run to completion,
         uncorrupted, and then the failed request's exception is raised.
+
+        Under tensor parallelism, on ranks other than 0 this follows rank 0's matching call
+        (its arguments are not used) and returns ``None``.
         """
+        if self._follower is not None:
+            self._follower.follow()
+            return None
+        try:
+            return self._generate(prompts, params)
+        finally:
+            if isinstance(self.target, TensorParallelLlama):
+                self.target.end_call()
+
+    def _generate(self, prompts, params) -> GenerationOutput | list[GenerationOutput]:
         single, prompt_list = _normalize_prompts(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompt_list):
@@ -253,6 +303,7 @@ class Generator:
 
         Bad input raises here, at the call, not at the first ``next()``.
         """
+        self._require_leader("stream()")
         single, prompt_list = _normalize_prompts(prompt)
         if not single:
             raise TypeError("stream() takes one prompt (a string or a list of token ids)")
@@ -278,6 +329,7 @@ class Generator:
             >>> h = gen.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
             >>> async for delta in h.stream_async(): ...
         """
+        self._require_leader("submit()")
         single, prompt_list = _normalize_prompts(prompt)
         if not single:
             raise TypeError("submit() takes one prompt (a string or a list of token ids)")
@@ -293,11 +345,39 @@ class Generator:
         output means there was nothing to run. From several threads, steps run one after
         another.
         """
+        self._require_leader("step()")
         with self._lock:
             self._drain_inbox()
             out = self.engine.step()
             self._num_steps += 1
             return out
+
+    # ---------------------------------------------------- tensor parallelism
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in the tensor-parallel group (0: the leader; 0 without one)."""
+        return self.target.group.rank if isinstance(self.target, TensorParallelLlama) else 0
+
+    def serve(self) -> None:
+        """Other ranks: follow rank 0's steps, whatever it calls (``stream``, ``submit``...),
+        until rank 0 calls :meth:`close`. On rank 0 (or without tensor parallelism) a no-op."""
+        if self._follower is not None:
+            while self._follower.follow():
+                pass
+
+    def close(self) -> None:
+        """Rank 0: end the other ranks' :meth:`serve`. Without tensor parallelism a no-op."""
+        if self._follower is None and isinstance(self.target, TensorParallelLlama):
+            from specdec.distributed.messages import MessageKind
+
+            self.target.end_call(MessageKind.SHUTDOWN)
+
+    def _require_leader(self, method: str) -> None:
+        if self._follower is not None:
+            raise RuntimeError(
+                f"{method} is rank 0's under tensor parallelism; rank "
+                f"{self.tensor_parallel_rank} calls generate() (same calls as rank 0) or serve()"
+            )
 
     @property
     def num_steps(self) -> int:
@@ -370,12 +450,14 @@ class Generator:
     def metrics(self) -> SpecMetrics:
         """Totals over every request this generator has run (a snapshot: read it again
         for later totals)."""
+        self._require_leader("metrics")
         with self._lock:
             return self.engine.metrics.snapshot()
 
     @property
     def policy(self) -> SpeculationPolicy | None:
         """The speculation policy (``None`` without a proposer)."""
+        self._require_leader("policy")
         return self.engine.policy
 
     def kv_stats(self) -> dict[str, int]:
@@ -613,6 +695,16 @@ def _resolve_policy(policy: object, proposer: Proposer | None) -> SpeculationPol
             f"policy FixedPolicy({policy.k}) drafts more than proposer.num_speculative_tokens ({k})"
         )
     return policy
+
+
+def _check_tensor_parallel(size: object, quantization: str | None) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+    if size > 1 and quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} is not supported with tensor_parallel_size > 1 "
+            "(quantized weights are not sharded); pass one or the other"
+        )
 
 
 def _check_params(params: SamplingParams | None) -> SamplingParams:

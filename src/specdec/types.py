@@ -52,6 +52,7 @@ class BatchLayout:
     kv_lens: tuple[int, ...]  # host copy, one per sequence (includes the new rows)
     page_size: int
     tree_mask: torch.Tensor | None = None  # [sum(q_len_i ** 2)] bool, row-major [q_len, q_len] per sequence
+    seq_ids: tuple[int, ...] = ()  # host copy: the sequence of each batch entry, when known
 
     @property
     def batch_size(self) -> int:

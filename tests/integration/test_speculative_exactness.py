@@ -342,12 +342,12 @@ def test_quantized_target_speculation_equals_its_own_plain_output(stories_path, 
 
 @pytest.mark.usefixtures("kernel")
 def test_quantized_model_is_cached_and_reloads_identically(stories_path):
-    from specdec.models.loading import _safetensors_files
+    from specdec.models.loading import safetensors_files
     from specdec.models.packed_cache import packed_cache_file
 
     first, _, _ = load_model(stories_path, quantization="q4")
-    cache = packed_cache_file(_safetensors_files(stories_path), "q4")
-    assert cache.is_file() and cache != packed_cache_file(_safetensors_files(stories_path), "int8")
+    cache = packed_cache_file(safetensors_files(stories_path), "q4")
+    assert cache.is_file() and cache != packed_cache_file(safetensors_files(stories_path), "int8")
     second, _, _ = load_model(stories_path, quantization="q4")
     a, b = first.state_dict(), second.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -459,6 +459,7 @@ class KVCacheManager:
             kv_lens=tuple(kv_lens),
             page_size=ps,
             tree_mask=_flat_tree_mask(tree_masks, q_lens, device),  # [sum(q_len_i**2)] bool | None
+            seq_ids=tuple(seq_ids),
         )
 
     def stats(self) -> dict[str, int]:

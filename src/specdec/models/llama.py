@@ -239,11 +239,14 @@ class LlamaModel(nn.Module):
         >>> out.logits.shape  # [batch, vocab]
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, layer_config: ModelConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
+        # The decoder layers' own shape: ``cfg`` itself, or under tensor parallelism one rank's
+        # share of the heads and of the MLP width (see specdec.distributed.sharding).
+        self.layer_config = layer_config or cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.layer_config) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -259,6 +262,15 @@ class LlamaModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    @property
+    def attention_spec(self) -> AttentionSpec:
+        """What the attention backend plans for: the heads this model's layers hold."""
+        return self.layer_config.attention_spec
+
+    def kv_spec(self, name: str) -> KVSpec:
+        """The KV pool shape of this model's layers (its share of the KV heads)."""
+        return self.layer_config.kv_spec(name, self.dtype)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -27,7 +27,16 @@ from specdec.models.packed_cache import (
 )
 from specdec.models.quantized import check_quantization, quantize_linears
 
-__all__ = ["load_model", "load_hf_config", "model_from_state_dict", "resolve_dtype", "resolve_device"]
+__all__ = [
+    "load_model",
+    "load_hf_config",
+    "model_from_state_dict",
+    "resolve_dtype",
+    "resolve_device",
+    "resolve_source",
+    "safetensors_files",
+    "settle_weights",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -83,7 +92,7 @@ def load_hf_config(path: str | Path) -> object:
         raise ValueError(f"cannot read {str(path / 'config.json')!r}: {err}") from err
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -134,10 +143,16 @@ def model_from_state_dict(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    layer_config: ModelConfig | None = None,
+    make_model: Callable[[], LlamaModel] | None = None,
 ) -> LlamaModel:
-    """Build a :class:`LlamaModel` from HF-named tensors, fusing q/k/v and gate/up on the way."""
+    """Build a :class:`LlamaModel` from HF-named tensors, fusing q/k/v and gate/up on the way.
+
+    ``layer_config``: the decoder layers' shape when it differs from ``cfg`` (one rank's shard
+    under tensor parallelism); the tensors must then have the shard's shapes. ``make_model``
+    builds the (meta-device) model instead of ``LlamaModel(cfg, layer_config=layer_config)``."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = make_model() if make_model is not None else LlamaModel(cfg, layer_config=layer_config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     expected = set(shapes)
     state: dict[str, torch.Tensor] = {}
@@ -201,23 +216,23 @@ def load_model(
     """
     check_quantization(quantization, device)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
-    path = _resolve_source(source)
+    path = resolve_source(source)
     if path.suffix == ".gguf":
         if quantization == "q4":  # assembled tensor by tensor, never as a dense model
             _import_gguf()
             from specdec.models.gguf_q4 import load_gguf_q4
 
             model, hf_config = load_gguf_q4(path, torch_dtype)
-            return _settled(model), hf_config, path
+            return settle_weights(model), hf_config, path
         model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
         if quantization is not None:
             quantize_linears(model, quantization)
         elif pack or (pack is None and should_pack(model)):
             pack_linears(model)
-        return _settled(model), hf_config, path
+        return settle_weights(model), hf_config, path
     hf_config = load_hf_config(path)
     cfg = ModelConfig.from_hf_config(hf_config)
-    files = _safetensors_files(path)
+    files = safetensors_files(path)
     wants_pack = quantization is None and (pack if pack is not None else (
         torch_dtype == torch.bfloat16 and torch_device.type == "cpu" and kernel_available()
     ))  # fmt: skip
@@ -226,7 +241,7 @@ def load_model(
     if cache_file is not None:
         cached = load_packed(cfg, cache_file, torch_device, quantization)
         if cached is not None:
-            return _settled(cached, cache_file if quantization else None), hf_config, path
+            return settle_weights(cached, cache_file if quantization else None), hf_config, path
     model = model_from_state_dict(cfg, _read_safetensors(files), dtype=torch_dtype, device=torch_device)
     if quantization is not None:
         quantize_linears(model, quantization)
@@ -234,10 +249,10 @@ def load_model(
         pack_linears(model)
     if cache_file is not None:
         save_packed(model, cache_file)
-    return _settled(model, cache_file if quantization else None), hf_config, path
+    return settle_weights(model, cache_file if quantization else None), hf_config, path
 
 
-def _settled(model: LlamaModel, cache_file: Path | None = None) -> LlamaModel:
+def settle_weights(model: LlamaModel, cache_file: Path | None = None) -> LlamaModel:
     """CPU weights move to huge pages (decode streams them all every step), except a quantized
     model's input embedding, memory-mapped from its ``cache_file`` where it has one
     (see :func:`~specdec.models.packed_cache.map_input_embedding`)."""
@@ -269,7 +284,7 @@ def _dtype_kwarg(version: str) -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
-def _resolve_source(source: str | Path) -> Path:
+def resolve_source(source: str | Path) -> Path:
     if not isinstance(source, (str, Path)):
         raise TypeError(f"model source must be a path or a name, got {type(source).__name__}")
     path = Path(source).expanduser()

@@ -137,14 +137,14 @@ def batch_hidden_states(
     length = len(batch[0])
     pages_per_seq = -(-length // page_size)
     kv = KVCacheManager(PageAllocator(len(batch) * pages_per_seq), page_size)
-    model_kv = kv.add_pool(target.config.kv_spec("target", target.dtype), target.device)
+    model_kv = kv.add_pool(target.kv_spec("target"), target.device)
     seq_ids = list(range(len(batch)))
     for s in seq_ids:
         kv.add_sequence(s)
         kv.reserve(s, length)
     backend = default_backend(target.device)
     layout = model_kv.layout(seq_ids, [list(c) for c in batch], [0] * len(batch), device=target.device)
-    plan = backend.plan(layout, target.config.attention_spec)
+    plan = backend.plan(layout, target.attention_spec)
     with torch.inference_mode():
         embeds = target.embed_tokens(layout.token_ids)
         states = target.layer_states(embeds, layout.positions, model_kv, backend, plan, layers)
