@@ -7,7 +7,14 @@ from torch import nn
 
 from specdec.distributed.group import TensorParallelGroup
 
-__all__ = ["RowParallelLinear", "VocabParallelHead"]
+__all__ = ["RowParallelLinear", "VocabParallelHead", "float32_output"]
+
+
+def float32_output(linear: nn.Module) -> None:
+    """Make a packed linear (:class:`~specdec.models.packed.PackedLinear`) return float32, so
+    partial sums and logits are not rounded to bf16 first; other linears are left as they are."""
+    if hasattr(linear, "out_dtype"):
+        linear.out_dtype = torch.float32
 
 
 class RowParallelLinear(nn.Module):
@@ -15,7 +22,7 @@ class RowParallelLinear(nn.Module):
 
     o_proj and down_proj take the output of this rank's heads (MLP slice) only, so each rank
     computes a partial product and one all-reduce completes it. The partials are summed in
-    float32 where the packed CPU kernel can produce them (``accumulate_float32``), then cast
+    float32 where the packed CPU kernel can produce them (:func:`float32_output`), then cast
     to ``out_dtype``: a bf16 model then rounds the sum once, as one process does.
     """
 
@@ -24,11 +31,6 @@ class RowParallelLinear(nn.Module):
         self.linear = linear
         self.group = group
         self.out_dtype = out_dtype
-
-    def accumulate_float32(self) -> None:
-        """Make a packed ``linear`` return float32 partial sums (no-op for other linears)."""
-        if hasattr(self.linear, "out_dtype"):
-            self.linear.out_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in / n] -> [num_tokens, out]
         partial = self.linear(x).contiguous()  # [num_tokens, out]
@@ -49,11 +51,6 @@ class VocabParallelHead(nn.Module):
         self.group = group
         self.vocab_size = vocab_size
         self.shard_size = shard_size
-
-    def accumulate_float32(self) -> None:
-        """Make a packed ``linear`` return float32 logits (no-op for other linears)."""
-        if hasattr(self.linear, "out_dtype"):
-            self.linear.out_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab] on rank 0
         local = self.linear(x)  # [rows, <= shard_size]

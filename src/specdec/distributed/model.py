@@ -20,7 +20,7 @@ from torch import nn
 
 from specdec.distributed.group import TensorParallelError, TensorParallelGroup
 from specdec.distributed.journal import JournaledKVCacheManager
-from specdec.distributed.layers import RowParallelLinear, VocabParallelHead
+from specdec.distributed.layers import RowParallelLinear, VocabParallelHead, float32_output
 from specdec.distributed.messages import MessageKind, encode, layout_fields
 from specdec.distributed.sharding import check_shardable, read_shard, shard_config
 from specdec.kv.paged import ModelKV
@@ -173,5 +173,5 @@ def load_tensor_parallel(
         pack_linears(model)
         for module in model.modules():
             if isinstance(module, (RowParallelLinear, VocabParallelHead)):
-                module.accumulate_float32()
+                float32_output(module.linear)
     return settle_weights(model), hf_config, path
