@@ -96,7 +96,7 @@ class Generator:
         if isinstance(target, TensorParallelLlama) and not target.group.is_leader:
             # Another rank: no scheduler, proposer or sampler; it follows rank 0's steps.
             self.target, self.tokenizer, self.proposer = target, tokenizer, None
-            self._follower = Follower(target, backend or default_backend(target.device))
+            self._follower = Follower(target, backend or default_backend(target.device, target.dtype))
             self.kv = self._follower.kv
             self._lock = threading.RLock()
             return
@@ -138,7 +138,7 @@ class Generator:
         self.engine = Engine(
             target=target,
             target_kv=target_kv,
-            backend=backend or default_backend(target.device),
+            backend=backend or default_backend(target.device, target.dtype),
             scheduler=self.scheduler,
             sampler=TorchSampler(),
             verifiers=_verifiers(proposer, verifier),
@@ -174,6 +174,7 @@ class Generator:
         policy: SpeculationPolicy | int | None = None,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
+        backend: object | None = None,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
 
@@ -184,7 +185,10 @@ class Generator:
         ``tensor_parallel_size=N`` (N > 1) shards the target over the N ranks of a group
         started by ``torchrun --nproc-per-node N`` or :func:`specdec.distributed.launch`; call
         this on every rank (rank 0 keeps the proposer; other ranks ignore it). Each rank reads
-        only its slices of a safetensors checkpoint (see docs/distributed.md)."""
+        only its slices of a safetensors checkpoint (see docs/distributed.md).
+
+        ``backend``: the attention backend (default: :func:`specdec.attention.default_backend`,
+        FlashInfer on CUDA when installed)."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
         _check_tensor_parallel(tensor_parallel_size, quantization)
         if tensor_parallel_size == 1 or proposer is not None:  # other ranks ignore the policy
@@ -204,6 +208,7 @@ class Generator:
             cache_config=cache_config,
             eos_token_ids=_eos_ids(path, model, tokenizer),
             policy=policy,
+            backend=backend,
         )
 
     @classmethod
@@ -217,9 +222,11 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         verifier: Verifier | None = None,
         policy: SpeculationPolicy | int | None = None,
+        backend: object | None = None,
     ) -> Generator:
         """Build from objects already in memory (tests, notebooks, custom models)."""
         return cls(
+            backend=backend,
             target=target,
             tokenizer=tokenizer,
             proposer=proposer,
@@ -235,10 +242,12 @@ class Generator:
         *,
         cache_config: CacheConfig | None = None,
         policy: SpeculationPolicy | int | None = None,
+        backend: object | None = None,
     ) -> Generator:
         """A generator sharing this one's target weights, tokenizer and EOS ids, with another
         proposer (``None``: plain decoding), its own KV cache and its own speculation policy
-        (a fresh ``AdaptivePolicy()`` unless ``policy`` is given)."""
+        (a fresh ``AdaptivePolicy()`` unless ``policy`` is given); ``backend``: this one's
+        attention backend unless given."""
         if isinstance(self.target, TensorParallelLlama):
             raise ValueError(
                 "with_proposer is not supported under tensor parallelism (a sharded target serves "
@@ -251,6 +260,7 @@ class Generator:
             cache_config=cache_config or self.cache_config,
             eos_token_ids=sorted(self.eos_token_ids),
             policy=policy,
+            backend=backend or self.engine.backend,
         )
         other._tokenizer_lock = self._tokenizer_lock  # one tokenizer, one lock
         return other

@@ -51,7 +51,14 @@ class AttentionBackend(Protocol):
 
     ``plan`` does the host-side work once per step and model; ``run`` is called once per layer,
     writes the new rows' K/V into the pages at ``layout.slot_mapping`` and attends. ``run`` must
-    not allocate per-step metadata or synchronise with the host.
+    not allocate per-step metadata or synchronise with the host. ``plan`` reads the layout's
+    host copies (``layout.host``), never its device tensors.
+
+    Plan lifetime: one backend serves the target, the draft model and the heads of a
+    generator in the same step, one pass at a time: a model's pass is planned right before its
+    layers run and is finished before the next pass is planned. A plan is valid until the next
+    ``plan`` call on the same backend (FlashInfer's wrappers hold one plan each; its ``run``
+    refuses a stale one); the torch and CPU backends' plans are self-contained records.
     """
 
     def plan(self, layout: BatchLayout, spec: AttentionSpec) -> object: ...

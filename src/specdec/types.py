@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "PAD_TOKEN_ID",
     "BatchLayout",
+    "LayoutHost",
     "ProposalKind",
     "DraftProposal",
     "VerifyResult",
@@ -25,6 +26,20 @@ __all__ = [
 
 PAD_TOKEN_ID = -1
 """Fills unused slots of fixed-width token outputs."""
+
+
+@attrs.frozen(eq=False)
+class LayoutHost:
+    """Host (CPU) copies of a layout's page CSR and tree mask, made where the layout is built.
+
+    A backend's ``plan`` reads these: reading the layout's device tensors would synchronise the
+    host with a GPU once per model and step.
+    """
+
+    kv_page_indptr: tuple[int, ...]  # [batch + 1]
+    kv_page_indices: tuple[int, ...]  # [num_used_pages]
+    kv_last_page_len: tuple[int, ...]  # [batch]
+    tree_mask: torch.Tensor | None = None  # [sum(q_len_i ** 2)] bool on the CPU
 
 
 @attrs.frozen(eq=False)
@@ -53,6 +68,18 @@ class BatchLayout:
     page_size: int
     tree_mask: torch.Tensor | None = None  # [sum(q_len_i ** 2)] bool, row-major [q_len, q_len] per sequence
     seq_ids: tuple[int, ...] = ()  # host copy: the sequence of each batch entry, when known
+    host: LayoutHost | None = None  # host copies of the page CSR and tree mask, when known
+
+    def host_copy(self) -> LayoutHost:
+        """:attr:`host`, or one read back from the device tensors (a host sync on a GPU)."""
+        if self.host is not None:
+            return self.host
+        return LayoutHost(
+            kv_page_indptr=tuple(self.kv_page_indptr.tolist()),
+            kv_page_indices=tuple(self.kv_page_indices.tolist()),
+            kv_last_page_len=tuple(self.kv_last_page_len.tolist()),
+            tree_mask=None if self.tree_mask is None else self.tree_mask.cpu(),
+        )
 
     @property
     def batch_size(self) -> int:

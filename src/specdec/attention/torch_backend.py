@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from specdec.interfaces import AttentionSpec
 from specdec.types import BatchLayout
 
-__all__ = ["TorchAttentionBackend", "TorchAttentionPlan", "visibility_mask"]
+__all__ = ["TorchAttentionBackend", "TorchAttentionPlan", "split_tree_mask", "visibility_mask"]
 
 
 @attrs.frozen(eq=False)
@@ -65,8 +65,8 @@ class TorchAttentionBackend:
         batch, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
         device = layout.token_ids.device
 
-        pages = layout.kv_page_indices.to(torch.int64).cpu().tolist()
-        indptr = layout.kv_page_indptr.cpu().tolist()
+        host = layout.host_copy()  # never a device sync for layouts the KV manager built
+        pages, indptr = host.kv_page_indices, host.kv_page_indptr
         gather = torch.zeros(batch, max_kv, dtype=torch.int64)
         offsets = torch.arange(page_size, dtype=torch.int64)
         for i, kv_len in enumerate(kv_lens):
@@ -74,7 +74,7 @@ class TorchAttentionBackend:
             slots = (seq_pages.unsqueeze(1) * page_size + offsets).flatten()
             gather[i, :kv_len] = slots[:kv_len]
 
-        tree_blocks = _split_tree_mask(layout)
+        tree_blocks = split_tree_mask(host.tree_mask, q_lens)
         needs_mask = (
             batch > 1
             or max_q > 1
@@ -163,13 +163,15 @@ def write_kv(
     return k_slots, v_slots
 
 
-def _split_tree_mask(layout: BatchLayout) -> list[torch.Tensor | None]:
+def split_tree_mask(
+    flat: torch.Tensor | None,  # [sum(q_len_i ** 2)] bool on the CPU
+    q_lens: tuple[int, ...],
+) -> list[torch.Tensor | None]:  # per sequence [q_len, q_len] bool, or None (causal)
     """Cut the flattened per-sequence ``[q_len, q_len]`` tree blocks apart (None if causal)."""
-    if layout.tree_mask is None:
-        return [None] * layout.batch_size
-    flat = layout.tree_mask.cpu()
+    if flat is None:
+        return [None] * len(q_lens)
     blocks, offset = [], 0
-    for q_len in layout.q_lens:
+    for q_len in q_lens:
         blocks.append(flat[offset : offset + q_len * q_len].view(q_len, q_len))
         offset += q_len * q_len
     return blocks

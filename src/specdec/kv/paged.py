@@ -26,7 +26,7 @@ import torch
 
 from specdec.config import positive_int
 from specdec.kv.allocator import PageAllocator, require_int
-from specdec.types import BatchLayout
+from specdec.types import BatchLayout, LayoutHost
 
 __all__ = ["KVSpec", "PagePool", "KVCacheManager", "ModelKV"]
 
@@ -445,6 +445,7 @@ class KVCacheManager:
 
         page_indptr, page_indices, last_page_len = self._page_csr(seq_ids, kv_lens)
         tokens = list(itertools.chain.from_iterable(new_token_ids))
+        tree_mask = _flat_tree_mask(tree_masks, q_lens, "cpu")  # [sum(q_len_i**2)] bool | None
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
         return BatchLayout(
@@ -458,8 +459,14 @@ class KVCacheManager:
             q_lens=tuple(q_lens),
             kv_lens=tuple(kv_lens),
             page_size=ps,
-            tree_mask=_flat_tree_mask(tree_masks, q_lens, device),  # [sum(q_len_i**2)] bool | None
+            tree_mask=None if tree_mask is None else tree_mask.to(device),
             seq_ids=tuple(seq_ids),
+            host=LayoutHost(
+                kv_page_indptr=tuple(page_indptr),
+                kv_page_indices=tuple(page_indices),
+                kv_last_page_len=tuple(last_page_len),
+                tree_mask=tree_mask,
+            ),
         )
 
     def stats(self) -> dict[str, int]:

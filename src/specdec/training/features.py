@@ -142,7 +142,7 @@ def batch_hidden_states(
     for s in seq_ids:
         kv.add_sequence(s)
         kv.reserve(s, length)
-    backend = default_backend(target.device)
+    backend = default_backend(target.device, target.dtype)
     layout = model_kv.layout(seq_ids, [list(c) for c in batch], [0] * len(batch), device=target.device)
     plan = backend.plan(layout, target.attention_spec)
     with torch.inference_mode():

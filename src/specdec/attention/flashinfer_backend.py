@@ -1,0 +1,226 @@
+"""Paged attention on CUDA through FlashInfer (the ``[gpu]`` extra), beside the torch reference.
+
+What this module does on the host is pure and tested on CPUs (:func:`plan_inputs`): the page
+CSR from the layout's host copies (never a device read), which wrapper a pass takes (the decode
+wrapper when every row is a lone decode row; the paged prefill wrapper for prefills, chain
+verification (``causal=True``: FlashInfer aligns a sequence's ``qo_len`` rows with the last
+``qo_len`` of its ``kv_len`` slots, ``prefill.cuh``) and tree verification (a custom mask per
+sequence over its whole ``[qo_len, kv_len]``, row-major, concatenated)), and the sliding window
+(``window_left = W - 1``: a row at position p keeps keys ``p - window_left .. p``,
+``variants.cuh``; for tree passes folded into the custom mask). FlashInfer packs the mask
+itself (``segment_packbits(..., bitorder="little")``: one byte-aligned segment per sequence);
+:func:`pack_bits_little` is that format's reference. The bool mask is passed, not a packed
+one: 0.7.2 leaves ``mask_indptr`` in bits when given ``packed_custom_mask`` (flashinfer#2201).
+Facts checked against the flashinfer-python 0.7.2.post1 wheel. FlashInfer itself is imported
+only when a :class:`FlashInferBackend` is built.
+
+Plan lifetime: a plan lives until the next :meth:`FlashInferBackend.plan` call on the same
+backend (the wrappers keep one plan each in a shared workspace). The engine plans and runs one
+model's pass at a time (target pass, then the proposer's passes, each planned right before its
+layers run), so target, draft and heads may share one backend; :meth:`run` refuses a stale plan.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import attrs
+import torch
+
+from specdec.attention.torch_backend import split_tree_mask, visibility_mask, write_kv
+from specdec.interfaces import AttentionSpec
+from specdec.types import BatchLayout
+
+__all__ = [
+    "FlashInferBackend",
+    "FlashInferPlan",
+    "PassKind",
+    "PlanInputs",
+    "pack_bits_little",
+    "plan_inputs",
+    "segment_pack_bits",
+    "unpack_bits_little",
+]
+
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+class PassKind(enum.Enum):
+    DECODE = "decode"  # one causal row per sequence: BatchDecodeWithPagedKVCacheWrapper
+    CAUSAL = "causal"  # prefill / chain verify rows: paged prefill, causal=True
+    TREE = "tree"  # some sequence has a tree mask: paged prefill with a packed custom mask
+
+
+@attrs.frozen(eq=False)
+class PlanInputs:
+    """Everything FlashInfer's ``plan`` takes for one pass, as CPU tensors."""
+
+    kind: PassKind
+    qo_indptr: torch.Tensor  # [batch + 1] int32
+    kv_page_indptr: torch.Tensor  # [batch + 1] int32
+    kv_page_indices: torch.Tensor  # [num_used_pages] int32
+    kv_last_page_len: torch.Tensor  # [batch] int32
+    window_left: int  # -1: no sliding window
+    custom_mask: torch.Tensor | None = None  # [sum(q_i * kv_i)] bool, TREE only
+    mask_indptr: torch.Tensor | None = None  # [batch + 1] int32 offsets into custom_mask, TREE only
+
+
+def pack_bits_little(bits: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool -> ``[ceil(n / 8)]`` uint8, bit ``j`` of byte ``b`` = ``bits[8 b + j]``
+    (numpy's ``packbits(bitorder="little")``, FlashInfer's mask format).
+
+    Example:
+        >>> pack_bits_little(torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 1], dtype=torch.bool)).tolist()
+        [1, 1]
+    """
+    n = bits.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8)
+    padded[:n] = bits.reshape(-1).to(torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits_little(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`pack_bits_little`: ``[n]`` bool."""
+    shifts = torch.arange(8, dtype=torch.int32)
+    bits = (packed.to(torch.int32).unsqueeze(1) >> shifts) & 1  # [bytes, 8]
+    return bits.reshape(-1)[:n].to(torch.bool)
+
+
+def plan_inputs(layout: BatchLayout, spec: AttentionSpec) -> PlanInputs:
+    """The host side of a FlashInfer plan for ``layout``, from its host copies only."""
+    host = layout.host_copy()
+    q_lens, kv_lens = layout.q_lens, layout.kv_lens
+    i32 = dict(dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *itertools.accumulate(q_lens)], **i32)
+    window = spec.sliding_window
+    common = dict(
+        qo_indptr=qo_indptr,
+        kv_page_indptr=torch.tensor(host.kv_page_indptr, **i32),
+        kv_page_indices=torch.tensor(host.kv_page_indices, **i32),
+        kv_last_page_len=torch.tensor(host.kv_last_page_len, **i32),
+    )
+    if host.tree_mask is None:
+        kind = PassKind.DECODE if max(q_lens) == 1 else PassKind.CAUSAL
+        return PlanInputs(kind=kind, window_left=-1 if window is None else window - 1, **common)
+    blocks = [
+        visibility_mask(q, kv, block, window).reshape(-1)  # [q * kv] bool, row-major
+        for q, kv, block in zip(q_lens, kv_lens, split_tree_mask(host.tree_mask, q_lens))
+    ]
+    mask_indptr = torch.tensor([0, *itertools.accumulate(b.numel() for b in blocks)], **i32)
+    return PlanInputs(
+        kind=PassKind.TREE,
+        window_left=-1,  # folded into the custom mask
+        custom_mask=torch.cat(blocks),
+        mask_indptr=mask_indptr,
+        **common,
+    )
+
+
+def segment_pack_bits(mask: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's ``segment_packbits(mask, indptr, bitorder="little")`` in torch: each
+    segment ``mask[indptr[i]:indptr[i+1]]`` packed on its own (padded to whole bytes).
+
+    Returns:
+        ``[sum(ceil(len_i / 8))]`` uint8 and the ``[batch + 1]`` int32 byte offsets.
+    """
+    bounds = indptr.tolist()
+    segments = [pack_bits_little(mask[a:b]) for a, b in zip(bounds, bounds[1:])]
+    offsets = torch.tensor([0, *itertools.accumulate(s.numel() for s in segments)], dtype=torch.int32)
+    return torch.cat(segments), offsets
+
+
+@attrs.frozen(eq=False)
+class FlashInferPlan:
+    """One pass's plan: which wrapper runs it, and the backend generation it belongs to."""
+
+    inputs: PlanInputs
+    spec: AttentionSpec
+    slot_mapping: torch.Tensor  # [num_tokens] int64 on the device, where new K/V rows go
+    generation: int
+
+
+class FlashInferBackend:
+    """:class:`~specdec.interfaces.AttentionBackend` over FlashInfer's paged wrappers (NHD
+    pages, the KV pools' layout), one workspace allocated once.
+
+    Example:
+        >>> backend = FlashInferBackend(torch.device("cuda"), torch.bfloat16)
+        >>> plan = backend.plan(layout, model.attention_spec)
+        >>> out = backend.run(plan, q, k, v, k_pages, v_pages)   # [num_tokens, Hq, D]
+    """
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        flashinfer = import_flashinfer()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # Zeroed before first use (FlashInfer's requirement); one float workspace for every
+        # wrapper: their passes never overlap (one stream, one pass at a time).
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._wrappers = {
+            PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+            PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
+            # Its own wrapper on FA2: "auto" fixes the backend at the first plan (FA3 on
+            # Hopper when unmasked), and FA3 takes no custom mask.
+            PassKind.TREE: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2"),
+        }
+        self._generation = 0
+
+    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> FlashInferPlan:
+        """Plan ``layout``'s pass on the wrapper its kind takes (host work; stales older plans)."""
+        inputs = plan_inputs(layout, spec)
+        heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, layout.page_size)
+        types = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=spec.sm_scale)
+        wrapper = self._wrappers[inputs.kind]
+        if inputs.kind is PassKind.DECODE:
+            wrapper.plan(
+                inputs.kv_page_indptr, inputs.kv_page_indices, inputs.kv_last_page_len, *heads,
+                window_left=inputs.window_left, **types,
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                inputs.qo_indptr, inputs.kv_page_indptr, inputs.kv_page_indices,
+                inputs.kv_last_page_len, *heads,
+                causal=inputs.kind is PassKind.CAUSAL,
+                custom_mask=None if inputs.custom_mask is None else inputs.custom_mask.to(self.device),
+                window_left=inputs.window_left, **types,
+            )  # fmt: skip
+        self._generation += 1
+        return FlashInferPlan(
+            inputs=inputs,
+            spec=spec,
+            slot_mapping=layout.slot_mapping.to(device=self.device, dtype=torch.int64),
+            generation=self._generation,
+        )
+
+    def run(
+        self,
+        plan: FlashInferPlan,
+        q: torch.Tensor,  # [num_tokens, num_qo_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+        v_pages: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_qo_heads, head_dim]
+        """Write the new rows' K/V (an index copy, no host sync), then attend."""
+        if plan.generation != self._generation:
+            raise RuntimeError(
+                "this FlashInfer plan is stale: the backend planned another pass since; plan "
+                "and run one pass at a time (see specdec.attention.flashinfer_backend)"
+            )
+        write_kv(plan, k, v, k_pages, v_pages)
+        return self._wrappers[plan.inputs.kind].run(q.contiguous(), (k_pages, v_pages))
+
+
+def import_flashinfer() -> object:
+    """The ``flashinfer`` module, or ImportError saying how to get it."""
+    try:
+        import flashinfer
+    except ImportError as err:
+        raise ImportError(
+            "the FlashInfer attention backend needs CUDA and the gpu extra: "
+            "pip install 'specdec[gpu]' (flashinfer-python==0.7.2.post1, triton); "
+            "use specdec.attention.TorchAttentionBackend() otherwise"
+        ) from err
+    return flashinfer
