@@ -119,6 +119,9 @@ class PagePool:
             raise ValueError(
                 f"src and dst must have the same shape, got {src.shape} and {dst.shape}"
             )
+        if self.device.type == "cuda" and _triton_kv_move() is not None:
+            _triton_kv_move()(self._slots, src, dst)  # one gather + one scatter launch
+            return
         rows = self._slots.index_select(2, src)  # [L, 2, n, Hkv, D], a copy
         self._slots.index_copy_(2, dst, rows)
 
@@ -142,6 +145,16 @@ class PagePool:
     def _check_index(name: str, index: torch.Tensor) -> None:
         if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
             raise TypeError(f"{name} must be a 1-D int64 tensor")
+
+
+def _triton_kv_move():
+    """``kernels.triton.kv_move.move_slots`` (the same copy, tested against this module's),
+    or ``None`` without Triton."""
+    try:
+        from specdec.kernels.triton.kv_move import move_slots
+    except ImportError:
+        return None
+    return move_slots
 
 
 class KVCacheManager:

@@ -367,7 +367,8 @@ class ChainVerifier:
         greedy, seeded, streamed = split_by_rule(params, generators)
         if greedy:
             idx = _row_index(greedy, batch, device)
-            num_accepted[idx], emitted[idx] = greedy_verify(
+            verify = _device_greedy_verify(device)
+            num_accepted[idx], emitted[idx] = verify(
                 target_logits[idx], proposal.draft_token_ids[idx], [counts[i] for i in greedy]
             )
         if seeded or streamed:
@@ -398,3 +399,19 @@ class ChainVerifier:
             emitted_token_ids=emitted,
             accepted_rows=accepted_rows,
         )
+
+
+def _device_greedy_verify(device: torch.device):
+    """:func:`greedy_verify`, or on CUDA with Triton installed its one-launch kernel
+    (``kernels/triton/verify.py``, tested against it)."""
+    if device.type != "cuda":
+        return greedy_verify
+    try:
+        from specdec.kernels.triton.verify import greedy_chain_verify
+    except ImportError:
+        return greedy_verify
+
+    def verify(logits, drafts, counts):
+        return greedy_chain_verify(logits, drafts, torch.tensor(counts, dtype=torch.int64, device=device))
+
+    return verify
