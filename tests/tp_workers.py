@@ -35,13 +35,19 @@ def build_proposer(spec):
     raise ValueError(f"unknown case {spec!r}")
 
 
-def run_case(path, dtype, spec, prompts, params, tensor_parallel_size):
-    """One generator, one generate call: ``(token ids per prompt, kv stats, metrics)`` on rank
-    0 (or in one process); ``None`` on the other ranks, after checking their pages."""
+def run_case(path, dtype, spec, prompts, params, tensor_parallel_size, cache_config=None):
+    """One generator, one generate call: ``(token ids per prompt, kv stats, (drafted, accepted,
+    preemptions))`` on rank 0 (or in one process); ``None`` on the other ranks, after checking
+    their pages."""
     leader = int(os.environ.get("RANK", "0")) == 0
     proposer, policy = build_proposer(spec) if leader else (None, None)
     gen = Generator.from_pretrained(
-        path, dtype=dtype, proposer=proposer, policy=policy, tensor_parallel_size=tensor_parallel_size
+        path,
+        dtype=dtype,
+        proposer=proposer,
+        policy=policy,
+        tensor_parallel_size=tensor_parallel_size,
+        cache_config=cache_config,
     )
     outs = gen.generate(prompts, params)
     stats = gen.kv_stats()
@@ -50,14 +56,15 @@ def run_case(path, dtype, spec, prompts, params, tensor_parallel_size):
         assert stats["num_sequences"] == 0, stats
         return None
     m = gen.metrics
-    return [o.token_ids for o in outs], stats, (m.num_drafted, m.num_accepted)
+    return [o.token_ids for o in outs], stats, (m.num_drafted, m.num_accepted, gen.scheduler.num_preemptions)
 
 
 def run_suite(path, dtype, cases, prompts, params):
-    """``{name: run_case(...)}`` for every ``(name, spec, params or None)`` of ``cases``."""
+    """``{name: run_case(...)}`` for every ``(name, spec, params or None, cache config or
+    None)`` of ``cases``."""
     results = {}
-    for name, spec, case_params in cases:
-        results[name] = run_case(path, dtype, spec, prompts, case_params or params, 2)
+    for name, spec, case_params, cache in cases:
+        results[name] = run_case(path, dtype, spec, prompts, case_params or params, 2, cache)
     return results
 
 

@@ -22,7 +22,7 @@ from tp_workers import (
     serve_and_stream,
 )
 
-from specdec import Generator, SamplingParams
+from specdec import CacheConfig, Generator, SamplingParams
 from specdec.distributed import RankFailedError, launch
 from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind, save_eagle_head
 from specdec.models.heads import save_mtp_head
@@ -75,14 +75,18 @@ def _random_heads(target_path, directory, dtype):
 def _cases(target_path, tmp, dtype, prompts):
     draft = _perturbed_checkpoint(target_path if dtype == "float32" else tmp.name.split("-")[0], tmp / "draft", dtype)
     mtp, eagle = _random_heads(target_path, tmp, dtype)
+    # 2-slot pages, too few for every request with 16-node trees in flight: preemptions free
+    # and re-take pages mid-generation (the journal must carry them to rank 1).
+    tight = CacheConfig(max_batch_size=4, max_num_tokens=64, page_size=2, num_pages=40)
     return [
-        ("plain", None, None),
-        ("draft", ("draft", str(draft), dtype, 3), None),
-        ("mtp", ("mtp", str(mtp), 2), None),
-        ("lookup", ("lookup", 3), None),
-        ("eagle", ("eagle", str(eagle), None), None),
-        ("plain-seeded", None, _seeded(len(prompts))),
-        ("draft-seeded", ("draft", str(draft), dtype, 3), _seeded(len(prompts))),
+        ("plain", None, None, None),
+        ("draft", ("draft", str(draft), dtype, 3), None, None),
+        ("mtp", ("mtp", str(mtp), 2), None, None),
+        ("lookup", ("lookup", 3), None, None),
+        ("eagle", ("eagle", str(eagle), None), None, None),
+        ("eagle-preempted", ("eagle", str(eagle), None), None, tight),
+        ("plain-seeded", None, _seeded(len(prompts)), None),
+        ("draft-seeded", ("draft", str(draft), dtype, 3), _seeded(len(prompts)), None),
     ]
 
 
@@ -92,15 +96,16 @@ def _check_suite(path, dtype, tmp, prompts):
     got = launch(run_suite, 2, str(path), dtype, cases, prompts, GREEDY, timeout_s=600)
     elapsed = time.monotonic() - start
     plain = got["plain"][0]
-    for name, spec, params in cases:
-        tokens, stats, (drafted, accepted) = got[name]
-        ref_tokens, _, _ = run_case(str(path), dtype, spec, prompts, params or GREEDY, 1)
+    for name, spec, params, cache in cases:
+        tokens, stats, (drafted, _, preemptions) = got[name]
+        ref_tokens, _, _ = run_case(str(path), dtype, spec, prompts, params or GREEDY, 1, cache)
         assert tokens == ref_tokens, name  # the same output as one process
         if params is None:
             assert tokens == plain, name  # and speculation changes nothing
         if spec is not None:
             assert drafted > 0, name
         assert stats["num_free_pages"] == stats["num_total_pages"] and stats["num_sequences"] == 0
+        assert (preemptions > 0) == (cache is not None), (name, preemptions)
     assert got["plain-seeded"][0] != plain  # sampling really sampled
     return elapsed
 
@@ -202,7 +207,7 @@ def test_bf16_with_the_packed_kernel_sums_partials_in_float32(kernel):
     bf16-rounded partials instead diverged at tokens 16 and 55 of two of these prompts)."""
     prompts = [[1, 403, 407, 261, 378], [1, 109, 154, 2], [1, 365, 186, 322, 109, 154, 29]]
     params = SamplingParams(max_new_tokens=100, ignore_eos=True)
-    got, stats, _ = launch(run_case, 2, str(STORIES), "bfloat16", None, prompts, params, 2, timeout_s=300)
+    got, stats, _ = launch(run_case, 2, str(STORIES), "bfloat16", None, prompts, params, 2, timeout_s=300)  # noqa: E501
     ref, _, _ = run_case(str(STORIES), "bfloat16", None, prompts, params, 1)
     assert got == ref
     assert stats["num_free_pages"] == stats["num_total_pages"]
