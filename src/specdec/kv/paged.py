@@ -119,8 +119,9 @@ class PagePool:
             raise ValueError(
                 f"src and dst must have the same shape, got {src.shape} and {dst.shape}"
             )
-        if self.device.type == "cuda" and _triton_kv_move() is not None:
-            _triton_kv_move()(self._slots, src, dst)  # one gather + one scatter launch
+        move = _triton_kv_move() if self.device.type == "cuda" else None
+        if move is not None:
+            move(self._slots, src, dst)  # one gather + one scatter launch
             return
         rows = self._slots.index_select(2, src)  # [L, 2, n, Hkv, D], a copy
         self._slots.index_copy_(2, dst, rows)
