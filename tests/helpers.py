@@ -89,3 +89,40 @@ class ScriptedPolicy(FixedPolicy):
         self.chosen.update(ks)
         self.contexts.append((ctx, ks))
         return ks
+
+
+def skip_device_call_repatching(monkeypatch) -> None:
+    """Speed up Triton's interpreter (``TRITON_INTERPRET=1``) for kernels with many device calls.
+
+    The interpreter re-patches ``triton.language`` (``inspect.getmembers`` over it, about
+    0.25 ms) at every call of a ``@triton.jit`` device function, ``tl.sum`` and ``tl.max``
+    included, although the launch already patched it for the whole grid; the re-patch sets
+    the same attributes again. Calling the rewritten function directly keeps the semantics
+    and makes the sampled-verification kernels about 5x faster to interpret. A no-op when the
+    interpreter's internals differ from what this expects (the tests just run slower).
+    """
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    cls = getattr(interpreter, "InterpretedFunction", None)
+    needed = ("rewrite", "_patch_lang", "InterpreterError")
+    if cls is None or not all(hasattr(cls if n == "rewrite" else interpreter, n) for n in needed):
+        return
+    patch = interpreter._patch_lang
+
+    def patched(fn) -> bool:  # the language modules fn sees already point at the interpreter
+        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        return all(not tl.core.is_builtin(lang.where) for lang in langs)
+
+    def call(self, *args, **kwargs):
+        if not patched(self.fn):
+            patch(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # as the interpreter itself reports a device call's failure
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    monkeypatch.setattr(cls, "__call__", call)

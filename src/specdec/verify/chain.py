@@ -36,6 +36,14 @@ from specdec.sampling import (
     processed_probs,
 )
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, VerifyResult
+from specdec.verify.device import (
+    KernelChoice,
+    check_kernel_choice,
+    seeded_keys,
+    stream_seeds,
+    tree_kernels,
+    use_triton,
+)
 
 __all__ = [
     "ChainVerifier",
@@ -330,10 +338,16 @@ class ChainVerifier:
     token; other sampled sequences through :func:`rejection_verify`, the rule that accepts
     the most drafts. All kinds may share one batch.
 
+    ``kernels`` chooses the implementation (:mod:`specdec.verify.device`): ``"auto"`` runs
+    the Triton kernels on CUDA when Triton is installed, the torch functions above otherwise.
+
     Example:
         >>> result = ChainVerifier().verify(target_logits, proposal, params, generators)
         >>> result.num_accepted, result.emitted_token_ids
     """
+
+    def __init__(self, kernels: KernelChoice = "auto"):
+        self.kernels = check_kernel_choice(kernels)
 
     def verify(
         self,
@@ -365,9 +379,10 @@ class ChainVerifier:
         emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
 
         greedy, seeded, streamed = split_by_rule(params, generators)
+        on_device = use_triton(self.kernels, device)
         if greedy:
             idx = _row_index(greedy, batch, device)
-            verify = _device_greedy_verify(device)
+            verify = _triton_greedy_verify if on_device else greedy_verify
             num_accepted[idx], emitted[idx] = verify(
                 target_logits[idx], proposal.draft_token_ids[idx], [counts[i] for i in greedy]
             )
@@ -375,22 +390,26 @@ class ChainVerifier:
             sampling = sampling or SamplingTensors.from_params(params, device)
         if seeded:
             idx = _row_index(seeded, batch, device)
-            num_accepted[idx], emitted[idx] = coupled_verify(
+            args = (
                 _target_probs(target_logits[idx], sampling.select_rows(seeded)),
                 proposal.draft_token_ids[idx],
                 [counts[i] for i in seeded],
                 [generators[i] for i in seeded],
             )
+            verify = _triton_coupled_verify if on_device else coupled_verify
+            num_accepted[idx], emitted[idx] = verify(*args)
         if streamed:
             idx = _row_index(streamed, batch, device)
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[idx]
-            num_accepted[idx], emitted[idx] = rejection_verify(
+            args = (
                 _target_probs(target_logits[idx], sampling.select_rows(streamed)),
                 draft_probs,
                 proposal.draft_token_ids[idx],
                 [counts[i] for i in streamed],
                 [generators[i] for i in streamed],
             )
+            verify = _triton_rejection_verify if on_device else rejection_verify
+            num_accepted[idx], emitted[idx] = verify(*args)
 
         rows = torch.arange(width + 1, device=device).expand(batch, width + 1)  # [batch, width + 1]
         accepted_rows = torch.where(rows <= num_accepted[:, None], rows, PAD_TOKEN_ID)
@@ -401,17 +420,45 @@ class ChainVerifier:
         )
 
 
-def _device_greedy_verify(device: torch.device):
-    """:func:`greedy_verify`, or on CUDA with Triton installed its one-launch kernel
-    (``kernels/triton/verify.py``, tested against it)."""
-    if device.type != "cuda":
-        return greedy_verify
-    try:
-        from specdec.kernels.triton.verify import greedy_chain_verify
-    except ImportError:
-        return greedy_verify
+# --- the device path (Triton kernels; see specdec.verify.device) ------------------------------
 
-    def verify(logits, drafts, counts):
-        return greedy_chain_verify(logits, drafts, torch.tensor(counts, dtype=torch.int64, device=device))
 
-    return verify
+def _chain_args(drafts: torch.Tensor, counts: Sequence[int]):
+    """The kernels' view of a chain batch: chain parents and the counts on the device."""
+    batch, width = drafts.shape
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=drafts.device)  # [batch]
+    return tree_kernels().chain_parents(batch, width, drafts.device), counts_t
+
+
+def _triton_greedy_verify(target_logits, draft_token_ids, counts):
+    """:func:`greedy_verify` in one launch (``kernels/triton/verify.py``)."""
+    from specdec.kernels.triton.verify import greedy_chain_verify
+
+    _, counts_t = _chain_args(draft_token_ids, counts)
+    return greedy_chain_verify(target_logits, draft_token_ids, counts_t)
+
+
+def _triton_coupled_verify(target_probs, draft_token_ids, counts, noises):
+    """:func:`coupled_verify` on the device: the same tokens (the same noise, bit for bit)."""
+    kernels = tree_kernels()
+    parents, counts_t = _chain_args(draft_token_ids, counts)
+    seeds, positions = seeded_keys(noises, target_probs.device)
+    chosen = kernels.row_choices(target_probs, parents, counts_t, seeds, positions)
+    accepted, emitted, _ = kernels.match_paths(chosen, draft_token_ids, parents, counts_t)
+    return accepted, emitted
+
+
+def _triton_rejection_verify(target_probs, draft_probs, draft_token_ids, counts, generators):
+    """:func:`rejection_verify`'s rule on the device with counter-based uniforms (one seed per
+    sequence from its generator). A chain is the tree whose nodes each have one child, where
+    the tree's sibling rules are the chain rule (an all-zero ``draft_probs`` row, which no
+    draft produces, is judged as a fixed choice there rather than accepted outright)."""
+    kernels = tree_kernels()
+    parents, counts_t = _chain_args(draft_token_ids, counts)
+    device = target_probs.device
+    seeds = stream_seeds(generators, device)
+    offsets = torch.zeros_like(seeds)
+    accepted, emitted, _ = kernels.rejection_paths(
+        target_probs, draft_probs, draft_token_ids, parents, counts_t, seeds, offsets
+    )
+    return accepted, emitted

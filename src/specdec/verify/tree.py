@@ -51,6 +51,14 @@ from specdec.verify.chain import (
     residual_distribution,
     split_by_rule,
 )
+from specdec.verify.device import (
+    KernelChoice,
+    check_kernel_choice,
+    seeded_keys,
+    stream_seeds,
+    tree_kernels,
+    use_triton,
+)
 from specdec.verify.tree_layout import check_parents, tree_depths
 
 __all__ = [
@@ -493,6 +501,41 @@ def tree_rejection_verify(
     return _pack(paths, tokens, width, target_probs.device)
 
 
+# --- the device path (Triton kernels; see specdec.verify.device) ------------------------------
+
+
+def _counts_on(device: torch.device, counts: Sequence[int]) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64, device=device)  # [batch], a host copy only
+
+
+def _triton_greedy(target_logits, draft_token_ids, parents, counts) -> TreeResult:
+    """:func:`tree_greedy_verify` on the device: argmax per row, then the longest match."""
+    kernels = tree_kernels()
+    counts_t = _counts_on(target_logits.device, counts)
+    chosen = kernels.row_choices(target_logits, parents, counts_t)
+    return kernels.match_paths(chosen, draft_token_ids, parents, counts_t)
+
+
+def _triton_coupled(target_probs, draft_token_ids, parents, counts, noises) -> TreeResult:
+    """:func:`tree_coupled_verify` on the device (the same noise at every depth, bit for bit)."""
+    kernels = tree_kernels()
+    counts_t = _counts_on(target_probs.device, counts)
+    seeds, positions = seeded_keys(noises, target_probs.device)
+    chosen = kernels.row_choices(target_probs, parents, counts_t, seeds, positions)
+    return kernels.match_paths(chosen, draft_token_ids, parents, counts_t)
+
+
+def _triton_rejection(
+    target_probs, draft_probs, draft_token_ids, parents, counts, generators
+) -> TreeResult:
+    """:func:`tree_rejection_verify`'s rule on the device with counter-based uniforms."""
+    seeds = stream_seeds(generators, target_probs.device)
+    return tree_kernels().rejection_paths(
+        target_probs, draft_probs, draft_token_ids, parents,
+        _counts_on(target_probs.device, counts), seeds, torch.zeros_like(seeds),
+    )  # fmt: skip
+
+
 # --- the verifier ----------------------------------------------------------------------------
 
 
@@ -541,10 +584,16 @@ class TreeVerifier:
     through :func:`tree_rejection_verify`. All kinds may share one batch, and each gives the
     same output as a chain-shaped tree through :class:`~specdec.verify.chain.ChainVerifier`.
 
+    ``kernels`` chooses the implementation (:mod:`specdec.verify.device`): ``"auto"`` runs
+    the Triton kernels on CUDA when Triton is installed, the torch functions above otherwise.
+
     Example:
         >>> result = TreeVerifier().verify(target_logits, proposal, params, generators)
         >>> result.num_accepted, result.emitted_token_ids, result.accepted_rows
     """
+
+    def __init__(self, kernels: KernelChoice = "auto"):
+        self.kernels = check_kernel_choice(kernels)
 
     def verify(
         self,
@@ -570,22 +619,26 @@ class TreeVerifier:
             ids, parents = proposal.draft_token_ids[idx], proposal.parents[idx]
             return idx, [counts[i] for i in rows], ids, parents
 
+        on_device = use_triton(self.kernels, device)
         if greedy:
             idx, n, ids, par = part(greedy)
-            num_accepted[idx], emitted[idx], accepted_rows[idx] = tree_greedy_verify(
+            verify = _triton_greedy if on_device else tree_greedy_verify
+            num_accepted[idx], emitted[idx], accepted_rows[idx] = verify(
                 target_logits[idx], ids, par, n
             )
         if seeded:
             idx, n, ids, par = part(seeded)
             probs = _target_probs(target_logits[idx], sampling.select_rows(seeded))
-            num_accepted[idx], emitted[idx], accepted_rows[idx] = tree_coupled_verify(
+            verify = _triton_coupled if on_device else tree_coupled_verify
+            num_accepted[idx], emitted[idx], accepted_rows[idx] = verify(
                 probs, ids, par, n, [generators[i] for i in seeded]
             )
         if streamed:
             idx, n, ids, par = part(streamed)
             probs = _target_probs(target_logits[idx], sampling.select_rows(streamed))
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[idx]
-            num_accepted[idx], emitted[idx], accepted_rows[idx] = tree_rejection_verify(
+            verify = _triton_rejection if on_device else tree_rejection_verify
+            num_accepted[idx], emitted[idx], accepted_rows[idx] = verify(
                 probs, draft_probs, ids, par, n, [generators[i] for i in streamed]
             )
         return VerifyResult(
