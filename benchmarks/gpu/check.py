@@ -3,7 +3,7 @@
 Run by ``benchmarks/gpu/check.sh`` on a lent H200 (random weights only: no checkpoints travel),
 or on a CPU with ``--smoke`` (tiny shapes, the torch reference in FlashInfer's place) to check
 the script itself. Writes ``<out>/gpu-check.json``. Not yet measured here (not built yet):
-CUDA graphs, the sync-free step, oracle speculation and the adaptive policy at batch 1-32.
+CUDA graphs and the sync-free step.
 
     python -m benchmarks.gpu.check --out /tmp/out            # on CUDA
     python -m benchmarks.gpu.check --out /tmp/out --smoke    # anywhere
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from specdec import FixedPolicy, Generator, SamplingParams
+from benchmarks.oracle import OracleChain, OracleTree, expected_emitted, greedy_references
+from specdec import AdaptivePolicy, FixedPolicy, Generator, SamplingParams
 from specdec.attention.torch_backend import TorchAttentionBackend
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, KVSpec
@@ -176,6 +177,83 @@ def check_decode_speed(device: torch.device, shape: str, batches: tuple[int, ...
     return out
 
 
+def _timed_generate(gen: Generator, prompts, tokens: int, device: torch.device):
+    """(outputs, seconds) of one generate after a short warm-up on the same prompts."""
+    gen.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    _sync(device)
+    start = time.perf_counter()
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True))
+    _sync(device)
+    return outs, time.perf_counter() - start
+
+
+def _random_prompts(batch: int, vocab: int, length: int = 32, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def check_oracle(device: torch.device, shape: str, tokens: int) -> dict:
+    """Speculation with oracle proposers of acceptance alpha (batch 1): speedup over plain, and
+    the fraction of the ideal attained. The ideal is the expected emitted tokens per step over
+    the step-cost ratio, measured with alpha = 1 (every draft accepted: a speculative step
+    costs its emitted tokens over the speedup, in plain steps)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _specdec_model(_hf_model(shape, dtype, device), device)
+    vocab = SHAPES[shape]["vocab_size"]
+    backend = _backend(device, dtype)
+    prompts = _random_prompts(1, vocab)
+    plain_gen = Generator.from_components(model, backend=backend)
+    refs = greedy_references(plain_gen, prompts, tokens + 24)
+    _, plain_s = _timed_generate(plain_gen, prompts, tokens, device)
+    out = {"plain_tok_s": tokens / plain_s}
+    configs = [("chain", k, None) for k in (3, 5)] + [("tree16", 16, 8)]
+    for name, k, levels in configs:
+        cost_ratio = None
+        for alpha in (1.0, 0.9, 0.8, 0.6):
+            make = OracleChain if levels is None else OracleTree
+            proposer = make(refs, alpha, k if levels is None else levels, vocab, seed=7)
+            gen = Generator.from_components(model, proposer=proposer, policy=FixedPolicy(k), backend=backend)
+            outs, seconds = _timed_generate(gen, prompts, tokens, device)
+            steps = max(gen.metrics.num_verify_steps, 1)
+            emitted = gen.metrics.num_emitted_in_verify / steps
+            speedup = plain_s / seconds
+            expected = expected_emitted(alpha, k, levels)
+            if alpha == 1.0:  # a step's cost in plain steps
+                cost_ratio = emitted / speedup
+            ideal = expected / cost_ratio
+            out[f"{name}-k{k}-a{alpha}"] = {
+                "speedup": speedup, "emitted_per_step": emitted, "expected_per_step": expected,
+                "step_cost_ratio": cost_ratio, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal,
+                "identical": outs[0].token_ids == refs[0][len(prompts[0]):][:tokens],
+            }  # fmt: skip
+    return out
+
+
+def check_adaptive(device: torch.device, shape: str, batches: tuple[int, ...], tokens: int) -> dict:
+    """The adaptive policy (fresh per batch size) against plain decoding, with an oracle
+    proposer that pays (alpha 0.8) and one that does not (alpha 0.2); it should never lose
+    more than a few percent to plain."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = _specdec_model(_hf_model(shape, dtype, device), device)
+    vocab = SHAPES[shape]["vocab_size"]
+    backend = _backend(device, dtype)
+    out = {}
+    for batch in batches:
+        prompts = _random_prompts(batch, vocab, seed=batch)
+        plain_gen = Generator.from_components(model, backend=backend)
+        refs = greedy_references(plain_gen, prompts, tokens + 24)
+        _, plain_s = _timed_generate(plain_gen, prompts, tokens, device)
+        for alpha in (0.8, 0.2):
+            proposer = OracleChain(refs, alpha, 6, vocab, seed=batch)
+            gen = Generator.from_components(model, proposer=proposer, policy=AdaptivePolicy(), backend=backend)
+            outs, seconds = _timed_generate(gen, prompts, tokens, device)
+            out[f"batch{batch}-a{alpha}"] = {
+                "x_plain": plain_s / seconds, "k_histogram": dict(gen.metrics.k_histogram),
+                "identical": [o.token_ids for o in outs] == [r[len(p):][:tokens] for r, p in zip(refs, prompts)],
+            }  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -189,6 +267,8 @@ def main() -> None:
         ("exactness", lambda: check_exactness(device)),
         ("decode_1.5b", lambda: check_decode_speed(device, "tiny" if args.smoke else "1.5b", (1, 16), 16 if args.smoke else 128)),
         ("decode_7b", lambda: check_decode_speed(device, "tiny" if args.smoke else "7b", (1,), 16 if args.smoke else 128)),
+        ("oracle_1.5b", lambda: check_oracle(device, "tiny" if args.smoke else "1.5b", 16 if args.smoke else 128)),
+        ("adaptive_1.5b", lambda: check_adaptive(device, "tiny" if args.smoke else "1.5b", (1, 4) if args.smoke else (1, 4, 16, 32), 12 if args.smoke else 96)),
     ):  # fmt: skip
         start = time.perf_counter()
         try:

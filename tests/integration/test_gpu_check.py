@@ -21,3 +21,10 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
     assert all(v == 0.0 for v in report["parity"].values()), report["parity"]
     assert all(r["identical"] and r["drafted"] > 0 for r in report["exactness"].values())
     assert report["decode_1.5b"]["batch16"]["specdec_tok_s"] > 0
+    oracle = {k: v for k, v in report["oracle_1.5b"].items() if isinstance(v, dict)}
+    assert len(oracle) == 12 and all(v["identical"] for v in oracle.values())
+    # alpha = 1 accepts every draft (the last step of a run is cut short by max_new_tokens)
+    assert oracle["chain-k5-a1.0"]["emitted_per_step"] > 4
+    assert oracle["tree16-k16-a1.0"]["emitted_per_step"] > 5
+    assert all(v["identical"] for v in report["adaptive_1.5b"].values())
+    assert any(k != "0" for k in report["adaptive_1.5b"]["batch1-a0.8"]["k_histogram"])
