@@ -3,7 +3,7 @@
 Run by ``benchmarks/gpu/check.sh`` on a lent H200 (random weights only: no checkpoints travel),
 or on a CPU with ``--smoke`` (tiny shapes, the torch reference in FlashInfer's place) to check
 the script itself. Writes ``<out>/gpu-check.json``. Not yet measured here (not built yet):
-CUDA graphs and the sync-free step.
+the sync-free step.
 
     python -m benchmarks.gpu.check --out /tmp/out            # on CUDA
     python -m benchmarks.gpu.check --out /tmp/out --smoke    # anywhere
@@ -21,6 +21,7 @@ import torch
 from benchmarks.oracle import OracleChain, OracleTree, expected_emitted, greedy_references
 from specdec import AdaptivePolicy, FixedPolicy, Generator, SamplingParams
 from specdec.attention.torch_backend import TorchAttentionBackend
+from specdec.graphs import BUCKETS, DecodeGraphs, EagerCapture
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, KVSpec
 from specdec.models.llama import ModelConfig
@@ -62,6 +63,18 @@ def _backend(device: torch.device, dtype: torch.dtype):
     from specdec.attention.flashinfer_backend import FlashInferBackend
 
     return FlashInferBackend(device, dtype)
+
+
+def _generator(model, device: torch.device, *, graphs: bool = False, **kwargs) -> Generator:
+    """A generator on the check's backend; with ``graphs`` its decode passes replay CUDA graphs
+    (on a CPU, --smoke: the same bucket logic with EagerCapture and the torch backend)."""
+    backend = _backend(device, model.dtype)
+    if not graphs or device.type == "cuda":
+        return Generator.from_components(model, backend=backend, cuda_graphs=graphs, **kwargs)
+    gen = Generator.from_components(model, backend=backend, **kwargs)
+    backends = {b: TorchAttentionBackend() for b in BUCKETS}
+    gen.engine.graphs = DecodeGraphs(model, gen.engine.target_kv, backends, EagerCapture())
+    return gen
 
 
 def check_parity(device: torch.device) -> dict:
@@ -121,20 +134,21 @@ def check_exactness(device: torch.device) -> dict:
     prompts = [torch.randint(0, 101, (int(n),), generator=g).tolist() for n in (5, 9, 17, 3)]
     prompts = [p + p for p in prompts]
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    backend = _backend(device, dtype)
-    plain = Generator.from_components(target, backend=backend).generate(prompts, params)
-    out = {}
-    for name, proposer in (
-        ("draft", DraftModel.from_model(draft, num_speculative_tokens=4)),
-        ("lookup", PromptLookup(num_speculative_tokens=4)),
-    ):
-        gen = Generator.from_components(target, proposer=proposer, policy=FixedPolicy(4), backend=backend)
-        spec = gen.generate(prompts, params)
-        out[name] = {
-            "identical": [o.token_ids for o in spec] == [o.token_ids for o in plain],
-            "drafted": gen.metrics.num_drafted,
-            "accepted": gen.metrics.num_accepted,
-        }
+    plain = _generator(target, device).generate(prompts, params)
+    graphed = _generator(target, device, graphs=True).generate(prompts, params)
+    out = {"plain-graphs": {"identical": [o.token_ids for o in graphed] == [o.token_ids for o in plain]}}
+    for graphs in (False, True):
+        for name, proposer in (
+            ("draft", DraftModel.from_model(draft, num_speculative_tokens=4)),
+            ("lookup", PromptLookup(num_speculative_tokens=4)),
+        ):
+            gen = _generator(target, device, graphs=graphs, proposer=proposer, policy=FixedPolicy(4))
+            spec = gen.generate(prompts, params)
+            out[name + ("-graphs" if graphs else "")] = {
+                "identical": [o.token_ids for o in spec] == [o.token_ids for o in plain],
+                "drafted": gen.metrics.num_drafted,
+                "accepted": gen.metrics.num_accepted,
+            }
     return out
 
 
@@ -156,9 +170,10 @@ def check_decode_speed(device: torch.device, shape: str, batches: tuple[int, ...
         gen.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
         _sync(device)
         start = time.perf_counter()
-        gen.generate(prompts, params)
+        eager_out = gen.generate(prompts, params)
         _sync(device)
         ours = batch * tokens / (time.perf_counter() - start)
+        graphed_out, graphed_s = _timed_generate(_generator(model, device, graphs=True), prompts, tokens, device)
         ids = torch.tensor(prompts, device=device)
         hf.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
         _sync(device)
@@ -166,13 +181,18 @@ def check_decode_speed(device: torch.device, shape: str, batches: tuple[int, ...
         hf.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
         _sync(device)
         theirs = batch * tokens / (time.perf_counter() - start)
-        out[f"batch{batch}"] = {"specdec_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
+        graphed = batch * tokens / graphed_s
+        out[f"batch{batch}"] = {
+            "specdec_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs,
+            "specdec_graphs_tok_s": graphed, "graphs_ratio": graphed / theirs,
+            "graphs_identical": [o.token_ids for o in graphed_out] == [o.token_ids for o in eager_out],
+        }  # fmt: skip
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - (
         model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     )
     out["weight_bytes_read_per_step"] = weight_bytes
     if "batch1" in out:
-        step_s = 1 / out["batch1"]["specdec_tok_s"]
+        step_s = 1 / max(out["batch1"]["specdec_tok_s"], out["batch1"]["specdec_graphs_tok_s"])
         out["batch1_read_GBps"] = weight_bytes / step_s / 1e9
     return out
 

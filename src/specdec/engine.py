@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
+from specdec.graphs import DecodeGraphs
 from specdec.interfaces import (
     AttentionBackend,
     ProposeContext,
@@ -67,8 +68,10 @@ class Engine:
         proposer_kv: ModelKV | None = None,
         num_speculative_tokens: int = 0,
         policy: SpeculationPolicy | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.target = target
+        self.graphs = graphs  # CUDA graphs of the target's decode pass (specdec.graphs)
         self.target_kv = target_kv
         self.backend = backend
         self.scheduler = scheduler
@@ -346,8 +349,12 @@ class Engine:
     def _target_pass(self, layout: BatchLayout, timing: _StepTiming, **kwargs) -> ModelOutput:
         """The target's forward over ``layout``, with hidden states when the proposer wants them."""
         timing.rows = layout.num_tokens
+        wants_hidden = self.proposer is not None and self.proposer.needs_target_hidden
+        if not wants_hidden and self.graphs is not None and self.graphs.applies(layout):
+            # A decode pass: every row's logits (all logits_indices can ask for) by replay.
+            return ModelOutput(logits=self.graphs.run(layout))
         plan = self.backend.plan(layout, self.target.attention_spec)
-        if self.proposer is not None and self.proposer.needs_target_hidden:
+        if wants_hidden:
             # The inputs of the target layers the proposer names (EAGLE-3: three), else the
             # last layer's output.
             layers = getattr(self.proposer, "target_hidden_layers", None)

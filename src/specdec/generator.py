@@ -24,6 +24,7 @@ from specdec.distributed.follower import Follower
 from specdec.distributed.journal import JournaledKVCacheManager
 from specdec.distributed.model import TensorParallelLlama, load_tensor_parallel
 from specdec.engine import Engine
+from specdec.graphs import BUCKETS, CudaCapture, DecodeGraphs
 from specdec.handle import RequestHandle
 from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
 from specdec.kv.allocator import PageAllocator
@@ -88,10 +89,12 @@ class Generator:
         backend: object | None = None,
         verifier: Verifier | None = None,
         policy: SpeculationPolicy | int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if not isinstance(target, LlamaModel):
             raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
         _check_components(proposer, verifier, cache_config)
+        _check_cuda_graphs(cuda_graphs, target.device, isinstance(target, TensorParallelLlama))
         self._follower: Follower | None = None
         if isinstance(target, TensorParallelLlama) and not target.group.is_leader:
             # Another rank: no scheduler, proposer or sampler; it follows rank 0's steps.
@@ -135,10 +138,11 @@ class Generator:
             max_batch_size=cache_config.max_batch_size,
             max_prefill_tokens=max(8192, cache_config.page_size),
         )
+        backend = backend or default_backend(target.device, target.dtype)
         self.engine = Engine(
             target=target,
             target_kv=target_kv,
-            backend=backend or default_backend(target.device, target.dtype),
+            backend=backend,
             scheduler=self.scheduler,
             sampler=TorchSampler(),
             verifiers=_verifiers(proposer, verifier),
@@ -146,6 +150,7 @@ class Generator:
             proposer_kv=proposer_kv,
             num_speculative_tokens=k,
             policy=policy,
+            graphs=_decode_graphs(target, target_kv, backend, num_pages) if cuda_graphs else None,
         )
         # Threading: one lock serialises everything that touches the engine (scheduler, KV
         # pages, proposer, policy, metrics) and is held for exactly one step, so callers on
@@ -175,6 +180,7 @@ class Generator:
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         backend: object | None = None,
+        cuda_graphs: bool = False,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
 
@@ -188,8 +194,11 @@ class Generator:
         only its slices of a safetensors checkpoint (see docs/distributed.md).
 
         ``backend``: the attention backend (default: :func:`specdec.attention.default_backend`,
-        FlashInfer on CUDA when installed)."""
+        FlashInfer on CUDA when installed). ``cuda_graphs=True`` (CUDA, FlashInfer) replays the
+        target's decode passes of up to 32 rows from captured CUDA graphs (:mod:`specdec.graphs`);
+        off by default until the GPU check has run it (docs/gpu.md)."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
+        _check_cuda_graphs(cuda_graphs, torch.device(device), tensor_parallel_size > 1)
         _check_tensor_parallel(tensor_parallel_size, quantization)
         if tensor_parallel_size == 1 or proposer is not None:  # other ranks ignore the policy
             _resolve_policy(policy, proposer)
@@ -209,6 +218,7 @@ class Generator:
             eos_token_ids=_eos_ids(path, model, tokenizer),
             policy=policy,
             backend=backend,
+            cuda_graphs=cuda_graphs,
         )
 
     @classmethod
@@ -223,9 +233,11 @@ class Generator:
         verifier: Verifier | None = None,
         policy: SpeculationPolicy | int | None = None,
         backend: object | None = None,
+        cuda_graphs: bool = False,
     ) -> Generator:
         """Build from objects already in memory (tests, notebooks, custom models)."""
         return cls(
+            cuda_graphs=cuda_graphs,
             backend=backend,
             target=target,
             tokenizer=tokenizer,
@@ -261,6 +273,7 @@ class Generator:
             eos_token_ids=sorted(self.eos_token_ids),
             policy=policy,
             backend=backend or self.engine.backend,
+            cuda_graphs=self.engine.graphs is not None,  # graphs of its own KV pool
         )
         other._tokenizer_lock = self._tokenizer_lock  # one tokenizer, one lock
         return other
@@ -668,6 +681,34 @@ def _check_components(
         )
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+
+
+def _check_cuda_graphs(cuda_graphs: object, device: torch.device, parallel: bool) -> None:
+    if not isinstance(cuda_graphs, bool):
+        raise TypeError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and (device.type != "cuda" or parallel):
+        raise ValueError(
+            f"cuda_graphs=True needs a CUDA target without tensor parallelism, got device {device}"
+            + (" with tensor_parallel_size > 1" if parallel else "")
+        )
+
+
+def _decode_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int) -> DecodeGraphs:
+    """The target's decode graphs, one FlashInfer graph backend per bucket sharing the
+    generator's backend's workspace."""
+    from specdec.attention.flashinfer_backend import FlashInferBackend
+
+    if not isinstance(backend, FlashInferBackend):
+        raise ValueError(
+            "cuda_graphs=True needs the FlashInfer attention backend (pip install 'specdec[gpu]', "
+            f"bfloat16 or float16 weights), got {type(backend).__name__}"
+        )
+    backends = {
+        b: FlashInferBackend(target.device, target.dtype, graph_batch=b, max_pages=num_pages,
+                             workspace=backend._workspace)
+        for b in BUCKETS
+    }  # fmt: skip
+    return DecodeGraphs(target, target_kv, backends, CudaCapture(target.device))
 
 
 def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:

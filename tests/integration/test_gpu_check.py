@@ -19,8 +19,12 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     assert all(v == 0.0 for v in report["parity"].values()), report["parity"]
-    assert all(r["identical"] and r["drafted"] > 0 for r in report["exactness"].values())
+    exactness = report["exactness"]
+    assert set(exactness) == {"plain-graphs", "draft", "lookup", "draft-graphs", "lookup-graphs"}
+    assert all(r["identical"] for r in exactness.values())
+    assert all(r["drafted"] > 0 for name, r in exactness.items() if name != "plain-graphs")
     assert report["decode_1.5b"]["batch16"]["specdec_tok_s"] > 0
+    assert report["decode_1.5b"]["batch16"]["graphs_identical"]
     oracle = {k: v for k, v in report["oracle_1.5b"].items() if isinstance(v, dict)}
     assert len(oracle) == 12 and all(v["identical"] for v in oracle.values())
     # alpha = 1 accepts every draft (the last step of a run is cut short by max_new_tokens)

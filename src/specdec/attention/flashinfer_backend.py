@@ -151,25 +151,67 @@ class FlashInferBackend:
         >>> out = backend.run(plan, q, k, v, k_pages, v_pages)   # [num_tokens, Hq, D]
     """
 
-    def __init__(self, device: torch.device | str, dtype: torch.dtype, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+    def __init__(
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        workspace_bytes: int = WORKSPACE_BYTES,
+        *,
+        graph_batch: int | None = None,
+        max_pages: int = 0,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
+        """``graph_batch=B`` (with ``max_pages``, the KV pool's page count) makes a backend for
+        CUDA graphs (:mod:`specdec.graphs`): it plans decode passes of exactly ``B`` rows only,
+        into fixed buffers (a ``use_cuda_graph=True`` decode wrapper and a fixed slot-mapping
+        buffer), so a graph captured over one plan replays correctly after the next.
+        ``workspace``: share another backend's (their passes never overlap)."""
         flashinfer = import_flashinfer()
         self.device = torch.device(device)
         self.dtype = dtype
         # Zeroed before first use (FlashInfer's requirement); one float workspace for every
         # wrapper: their passes never overlap (one stream, one pass at a time).
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._wrappers = {
-            PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
-            PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
-            # Its own wrapper on FA2: "auto" fixes the backend at the first plan (FA3 on
-            # Hopper when unmasked), and FA3 takes no custom mask.
-            PassKind.TREE: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2"),
-        }
+        if workspace is None:
+            workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._workspace = workspace
+        self.graph_batch = graph_batch
+        self._slots: torch.Tensor | None = None
+        if graph_batch is not None:
+            if graph_batch < 1 or max_pages < 1:
+                raise ValueError(
+                    f"graph_batch and max_pages must be >= 1, got {graph_batch} and {max_pages}"
+                )
+            i32 = dict(dtype=torch.int32, device=self.device)
+            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, backend="fa2",
+                paged_kv_indptr_buffer=torch.zeros(graph_batch + 1, **i32),
+                paged_kv_indices_buffer=torch.zeros(max_pages, **i32),
+                paged_kv_last_page_len_buffer=torch.zeros(graph_batch, **i32),
+            )  # fmt: skip
+            self._slots = torch.zeros(graph_batch, dtype=torch.int64, device=self.device)
+            self._wrappers = {PassKind.DECODE: decode}
+        else:
+            self._wrappers = {
+                PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
+                # Its own wrapper on FA2: "auto" fixes the backend at the first plan (FA3 on
+                # Hopper when unmasked), and FA3 takes no custom mask.
+                PassKind.TREE: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", backend="fa2"
+                ),
+            }
         self._generation = 0
 
     def plan(self, layout: BatchLayout, spec: AttentionSpec) -> FlashInferPlan:
         """Plan ``layout``'s pass on the wrapper its kind takes (host work; stales older plans)."""
         inputs = plan_inputs(layout, spec)
+        if self.graph_batch is not None and (
+            inputs.kind is not PassKind.DECODE or layout.batch_size != self.graph_batch
+        ):
+            raise ValueError(
+                f"this backend serves CUDA graphs of {self.graph_batch}-row decode passes, got a "
+                f"{inputs.kind.name.lower()} pass of {layout.batch_size} sequences"
+            )
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, layout.page_size)
         types = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=spec.sm_scale)
         wrapper = self._wrappers[inputs.kind]
@@ -187,12 +229,10 @@ class FlashInferBackend:
                 window_left=inputs.window_left, **types,
             )  # fmt: skip
         self._generation += 1
-        return FlashInferPlan(
-            inputs=inputs,
-            spec=spec,
-            slot_mapping=layout.slot_mapping.to(device=self.device, dtype=torch.int64),
-            generation=self._generation,
-        )
+        slots = layout.slot_mapping.to(device=self.device, dtype=torch.int64)
+        if self._slots is not None:  # a graph reads the slots from this fixed buffer
+            slots = self._slots.copy_(slots, non_blocking=True)
+        return FlashInferPlan(inputs=inputs, spec=spec, slot_mapping=slots, generation=self._generation)
 
     def run(
         self,
