@@ -12,8 +12,10 @@ the sync-free step.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, KVSpec
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
-from specdec.proposers import DraftModel, PromptLookup
+from specdec.proposers import DraftModel, EAGLETree, MTPHead, PromptLookup
 
 SHAPES = {  # Qwen2.5-shaped configs (random weights)
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -274,6 +276,51 @@ def check_adaptive(device: torch.device, shape: str, batches: tuple[int, ...], t
     return out
 
 
+def _count_syncs(fn) -> tuple[int, list[tuple[str, int]]]:
+    """(host syncs, the 5 commonest places) while ``fn`` runs, from CUDA's sync debug mode."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = collections.Counter(f"{w.filename.split('/src/')[-1]}:{w.lineno}" for w in syncs)
+    return len(syncs), where.most_common(5)
+
+
+def check_host_syncs(device: torch.device) -> dict:
+    """Host syncs per speculative step for the MTP head, the EAGLE tree and a draft model on
+    stories260K (bundled heads), counted by CUDA's sync debug mode: the baseline that the
+    sync-free step (not built yet) is to bring down. On a CPU it only runs the steps."""
+    from specdec.cli import bundled_model_path
+
+    path = bundled_model_path()
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    gen = Generator.from_pretrained(path, device=device, dtype=dtype)
+    prompts = ["Once upon a time", "The little dog", "Lily saw a", "Tom and his friend"]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    out = {}
+    for name, proposer in (
+        ("mtp", MTPHead.from_pretrained(path.parent / "stories260K-mtp", num_speculative_tokens=3)),
+        ("eagle", EAGLETree.from_pretrained(path.parent / "stories260K-eagle")),
+        ("draft", DraftModel.from_pretrained(path, num_speculative_tokens=3, dtype=dtype, device=device)),
+    ):
+        spec = gen.with_proposer(proposer, policy=3)
+        spec.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        before = spec.metrics.num_verify_steps
+        if device.type == "cuda":
+            syncs, where = _count_syncs(lambda: spec.generate(prompts, params))
+        else:
+            spec.generate(prompts, params)
+            syncs, where = None, []
+        steps = spec.metrics.num_verify_steps - before
+        out[name] = {"steps": steps, "syncs": syncs, "where": where,
+                     "syncs_per_step": None if syncs is None else syncs / max(steps, 1)}  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -287,6 +334,7 @@ def main() -> None:
         ("exactness", lambda: check_exactness(device)),
         ("decode_1.5b", lambda: check_decode_speed(device, "tiny" if args.smoke else "1.5b", (1, 16), 16 if args.smoke else 128)),
         ("decode_7b", lambda: check_decode_speed(device, "tiny" if args.smoke else "7b", (1,), 16 if args.smoke else 128)),
+        ("host_syncs", lambda: check_host_syncs(device)),
         ("oracle_1.5b", lambda: check_oracle(device, "tiny" if args.smoke else "1.5b", 16 if args.smoke else 128)),
         ("adaptive_1.5b", lambda: check_adaptive(device, "tiny" if args.smoke else "1.5b", (1, 4) if args.smoke else (1, 4, 16, 32), 12 if args.smoke else 96)),
     ):  # fmt: skip

@@ -32,3 +32,4 @@ def test_gpu_check_runs_in_smoke_mode(tmp_path):
     assert oracle["tree16-k16-a1.0"]["emitted_per_step"] > 5
     assert all(v["identical"] for v in report["adaptive_1.5b"].values())
     assert any(k != "0" for k in report["adaptive_1.5b"]["batch1-a0.8"]["k_histogram"])
+    assert all(r["steps"] > 0 for r in report["host_syncs"].values())
