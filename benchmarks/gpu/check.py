@@ -311,7 +311,7 @@ def check_host_syncs(device: torch.device) -> dict:
         spec.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
         before = spec.metrics.num_verify_steps
         if device.type == "cuda":
-            syncs, where = _count_syncs(lambda: spec.generate(prompts, params))
+            syncs, where = _count_syncs(lambda spec=spec: spec.generate(prompts, params))
         else:
             spec.generate(prompts, params)
             syncs, where = None, []

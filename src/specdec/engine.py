@@ -199,8 +199,8 @@ class Engine:
             return self._plain_step(batch, timing)
         # One set of sampling tensors for the step: the proposer's rows, the verifier, logprobs.
         sampling = SamplingTensors.from_params([r.params for r in reqs], self.target.device)
-        proposal = self._draft(reqs, ks, sampling, timing)
-        judged = self._verify(reqs, proposal, sampling, timing)
+        proposal, drafts, parents = self._draft(reqs, ks, sampling, timing)
+        judged = self._verify(reqs, proposal, drafts, parents, sampling, timing)
         return self._commit(reqs, judged, speculated=ks)
 
     def _choose(self, reqs: Sequence[Request], lookahead: int) -> tuple[int, ...]:
@@ -235,10 +235,11 @@ class Engine:
         ks: Sequence[int],
         sampling: SamplingTensors,
         timing: _StepTiming,
-    ) -> DraftProposal:
+    ) -> tuple[DraftProposal, list[list[int]], list[list[int]] | None]:
         """Ask the proposer for the requests with ``k > 0`` (the others take a plain step inside
         the same verify pass); the proposal comes back checked, spread over the whole batch and
-        capped at each request's own k."""
+        capped at each request's own k, with host copies of its drafts and (trees) parents,
+        read in one device-to-host copy."""
         lookahead = max(ks)
         drafting = [i for i, k in enumerate(ks) if k > 0]
         unseen = self._unseen(reqs)
@@ -256,8 +257,11 @@ class Engine:
                 sampling=sampling if len(drafting) == len(reqs) else sampling.select_rows(drafting),
             )
         )
-        _check_proposal(proposal, len(drafting), lookahead, self.proposer.kind)
-        drafted = proposal.draft_token_ids.tolist()  # host sync: the drafting is done
+        _check_proposal_shapes(proposal, len(drafting), lookahead, self.proposer.kind)
+        drafted, tree = _host_copies(proposal)  # the step's one read of the drafts
+        if tree is not None:
+            for row, n in zip(tree, proposal.num_draft_tokens):
+                check_parents(row, n, name="proposal parents")
         timing.draft_s = self._clock() - start
         # A chain's width is the number of drafting steps actually taken (a proposer may end
         # its chains before the lookahead); a tree's cost grows with the nodes asked for.
@@ -267,8 +271,11 @@ class Engine:
         )
         proposal = _spread(proposal, drafting, len(reqs))
         drafts = [[PAD_TOKEN_ID] * proposal.width for _ in reqs]
-        for row, i in zip(drafted, drafting):
-            drafts[i] = row
+        parents = None if tree is None else [[-1] * proposal.width for _ in reqs]
+        for j, i in enumerate(drafting):
+            drafts[i] = drafted[j]
+            if parents is not None:
+                parents[i] = tree[j]
         # Each request keeps at most its own k, and a draft ends at a PAD_TOKEN_ID (a sampler
         # finds no distribution to draw from: the draft probabilities are checked below). A
         # tree keeps its first k nodes: parents come first, so they form a tree again.
@@ -278,12 +285,14 @@ class Engine:
         if capped != tuple(proposal.num_draft_tokens):
             proposal = attrs.evolve(proposal, num_draft_tokens=capped)
         _check_draft_ids(drafts, capped, self.target.config.vocab_size)
-        return proposal
+        return proposal, drafts, parents
 
     def _verify(
         self,
         reqs: Sequence[Request],
         proposal: DraftProposal,
+        drafts: list[list[int]],  # host copy of proposal.draft_token_ids
+        parents: list[list[int]] | None,  # host copy of proposal.parents (trees)
         sampling: SamplingTensors,
         timing: _StepTiming,
     ) -> _Judged:
@@ -293,12 +302,10 @@ class Engine:
         if verifier is None:
             raise ValueError(f"no verifier for {proposal.kind} proposals; have {sorted(k.value for k in self.verifiers)}")
         num_draft = proposal.num_draft_tokens
-        drafts = proposal.draft_token_ids.tolist()
         starts = [len(r.token_ids) - 1 for r in reqs]
         rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
         positions, tree_masks, depths = None, None, list(num_draft)
         if proposal.kind is ProposalKind.TREE:
-            parents = proposal.parents.tolist()
             positions, tree_masks = tree_rows(parents, num_draft, starts)
             depths = [max(tree_depths(p, n)) for p, n in zip(parents, num_draft)]
         layout = self.target_kv.layout(
@@ -322,8 +329,11 @@ class Engine:
         result = verifier.verify(
             target_logits, proposal, params, [r.randomness() for r in reqs], sampling=sampling
         )
-        emitted = result.emitted_token_ids.tolist()
-        paths = [rows[:n] for rows, n in zip(result.accepted_rows.tolist(), result.num_emitted)]
+        width_1 = result.emitted_token_ids.shape[1]
+        both = torch.cat([result.emitted_token_ids, result.accepted_rows.to(torch.int64)], dim=1)
+        both = both.tolist()  # one device-to-host copy for tokens and rows
+        emitted = [row[:width_1] for row in both]
+        paths = [row[width_1:][:n] for row, n in zip(both, result.num_emitted)]
         hidden, input_ids = out.hidden_states, layout.token_ids
         if proposal.kind is ProposalKind.TREE:
             for req, start, path in zip(reqs, starts, paths):
@@ -619,7 +629,7 @@ def _append(req: Request, tokens: Sequence[int], index: int, errors: dict[int, B
         return 0
 
 
-def _check_proposal(
+def _check_proposal_shapes(
     proposal: DraftProposal, batch_size: int, lookahead: int, kind: ProposalKind
 ) -> None:
     """A proposer's output must fit the step; a misbehaving plug-in fails loudly here."""
@@ -643,8 +653,15 @@ def _check_proposal(
                 f"a tree proposal needs parents of shape [batch, width] = "
                 f"{tuple(proposal.draft_token_ids.shape)}, got {got}"
             )
-        for row, n in zip(parents.tolist(), proposal.num_draft_tokens):
-            check_parents(row, n, name="proposal parents")
+
+
+def _host_copies(proposal: DraftProposal) -> tuple[list[list[int]], list[list[int]] | None]:
+    """The proposal's drafts and (trees) parents as host lists, in one device-to-host copy."""
+    ids = proposal.draft_token_ids.to(torch.int64)
+    if proposal.parents is None or proposal.kind is not ProposalKind.TREE:
+        return ids.tolist(), None
+    drafts, parents = torch.stack([ids, proposal.parents.to(ids.device, torch.int64)]).tolist()
+    return drafts, parents
 
 
 def _pad_at(row: Sequence[int], n: int) -> int:

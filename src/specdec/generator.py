@@ -31,7 +31,7 @@ from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
-from specdec.models.loading import load_model
+from specdec.models.loading import load_model, resolve_device
 from specdec.models.quantized import check_quantization
 from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.request import FinishReason, Request, RequestView, TokenLogprob
@@ -198,7 +198,8 @@ class Generator:
         target's decode passes of up to 32 rows from captured CUDA graphs (:mod:`specdec.graphs`);
         off by default until the GPU check has run it (docs/gpu.md)."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
-        _check_cuda_graphs(cuda_graphs, torch.device(device), tensor_parallel_size > 1)
+        if cuda_graphs is not False:  # the device is checked first, as load_model does
+            _check_cuda_graphs(cuda_graphs, resolve_device(device), tensor_parallel_size > 1)
         _check_tensor_parallel(tensor_parallel_size, quantization)
         if tensor_parallel_size == 1 or proposer is not None:  # other ranks ignore the policy
             _resolve_policy(policy, proposer)

@@ -123,8 +123,11 @@ class DraftModel:
         probs: list[torch.Tensor] = []  # steps x [batch, vocab]
         threshold = self.config.confidence_threshold
         num_draft = [k] * len(rows)  # where each chain ends
+        fed: torch.Tensor | None = None  # [batch] the last step's drafts, kept on the device
         for step in range(k):
             layout = ctx.kv.layout(ctx.seq_ids, rows, starts, device=self.model.device)
+            if fed is not None:  # one row per sequence: its draft (a -1 only ends its chain)
+                layout = attrs.evolve(layout, token_ids=fed.clamp_min(0))
             plan = ctx.backend.plan(layout, spec)
             logits = self.model(
                 layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices
@@ -139,8 +142,8 @@ class DraftModel:
             starts = [s + len(r) for s, r in zip(starts, rows)]
             if threshold > 0 and _chains_end(logits, tokens, threshold, step, num_draft):
                 break
-            if step + 1 < k:
-                rows = [[t] for t in tokens.tolist()]
+            if step + 1 < k:  # the next step feeds these drafts without reading them back
+                rows, fed = [[0]] * len(rows), tokens
         for seq_id, start in zip(ctx.seq_ids, starts):
             self._computed[seq_id] = start
         draft_token_ids = torch.stack(drafted, dim=1)  # [batch, steps]

@@ -30,7 +30,7 @@ from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, 
 from specdec.models.llama import LlamaModel
 from specdec.models.packed import linear_weights, pack_linears, should_pack
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
-from specdec.types import DraftProposal, ProposalKind, pad_rows
+from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
 __all__ = ["MTPHead", "MTPHeadProposerConfig"]
 
@@ -151,9 +151,11 @@ class MTPHead:
         k = ctx.num_speculative_tokens
         batch = len(ctx.seq_ids)
         live = [i for i, s in enumerate(ctx.seq_ids) if s in self._g]  # all of them, normally
-        drafts = [[] for _ in range(batch)]
         all_greedy = all(p.is_greedy for p in ctx.params)
         probs_out = None if all_greedy else torch.zeros(batch, k, self.head.target_config.vocab_size, device=ctx.device)
+        # The drafts stay on the device: each step's layout takes the previous step's tokens as
+        # they are, so drafting reads nothing back (the engine reads the whole proposal once).
+        draft_ids = torch.full((batch, k), PAD_TOKEN_ID, dtype=torch.int64, device=ctx.device)
         if live:
             seq_ids = [ctx.seq_ids[i] for i in live]
             gens = [ctx.generators[i] for i in live]
@@ -162,9 +164,14 @@ class MTPHead:
             slots = [len(ctx.token_ids[i]) - 1 for i in live]  # the next verify pass's first slot
             spec = self.head.target_config.attention_spec
             tokens = torch.empty(0, dtype=torch.int64)  # [live] the previous position's drafts
+            columns: list[torch.Tensor] = []  # steps x [live] int64
             for j in range(k):
                 if j > 0:  # feed the head its own output and the draft just made
-                    layout = ctx.kv.layout(seq_ids, [[t] for t in tokens.tolist()], [s + j - 1 for s in slots], device=self.head.device)
+                    placeholder = [[0]] * len(seq_ids)  # token ids come from the device below
+                    layout = ctx.kv.layout(seq_ids, placeholder, [s + j - 1 for s in slots], device=self.head.device)
+                    # A row with no distribution drafted -1 (PAD): it ends there, the embedding
+                    # just needs a valid id.
+                    layout = attrs.evolve(layout, token_ids=tokens.clamp_min(0))
                     plan = ctx.backend.plan(layout, spec)
                     g = self.head(g, layout.token_ids, layout.positions, ctx.kv, ctx.backend, plan)
                 logits = self._draft_logits(g)  # [live, vocab]
@@ -174,16 +181,17 @@ class MTPHead:
                     step_probs = processed_probs(logits, st)
                     tokens = sample_from_probs(step_probs, shift_rows(gens, j))
                     probs_out[live, j] = step_probs.to(probs_out.dtype)
-                for row, tok in zip(live, tokens.tolist()):
-                    drafts[row].append(tok)
+                columns.append(tokens)
+            rows = torch.tensor(live, dtype=torch.int64, device=ctx.device)
+            draft_ids[rows] = torch.stack(columns, dim=1).to(ctx.device)
+        live_rows = set(live)
         return DraftProposal(
             kind=ProposalKind.CHAIN,
-            draft_token_ids=pad_rows(drafts, k, ctx.device),
-            num_draft_tokens=tuple(len(d) for d in drafts),
+            draft_token_ids=draft_ids,
+            num_draft_tokens=tuple(k if i in live_rows else 0 for i in range(batch)),
             draft_probs=probs_out,
         )
 
-    # ------------------------------------------------------ following the target
     def on_target_step(self, step: TargetStep) -> None:
         hidden, next_tokens = step.kept_pairs()  # [kept rows, hidden]
         layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=self.head.device)

@@ -346,6 +346,8 @@ class ChainVerifier:
         >>> result.num_accepted, result.emitted_token_ids
     """
 
+    kernels: KernelChoice = "auto"  # a class default: subclasses need not call __init__
+
     def __init__(self, kernels: KernelChoice = "auto"):
         self.kernels = check_kernel_choice(kernels)
 

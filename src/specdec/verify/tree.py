@@ -171,7 +171,9 @@ def _check_tree(
         shape = None if parents is None else tuple(parents.shape)
         raise ValueError(f"parents must be [batch, width] = {(batch, width)}, got {shape}")
     counts = _draft_counts(num_draft_tokens, batch, width)
-    tokens, parent_rows = draft_token_ids.tolist(), parents.tolist()  # host copies: the walks
+    # Host copies for the walks, in one device-to-host copy.
+    ids = draft_token_ids.to(torch.int64)
+    tokens, parent_rows = torch.stack([ids, parents.to(ids.device, torch.int64)]).tolist()
     for count, row in zip(counts, parent_rows):
         children_of(row, count)  # raises on a bad parent before any work
     vocab = target.shape[2] if target.dim() == 3 else None
@@ -591,6 +593,8 @@ class TreeVerifier:
         >>> result = TreeVerifier().verify(target_logits, proposal, params, generators)
         >>> result.num_accepted, result.emitted_token_ids, result.accepted_rows
     """
+
+    kernels: KernelChoice = "auto"  # a class default: subclasses need not call __init__
 
     def __init__(self, kernels: KernelChoice = "auto"):
         self.kernels = check_kernel_choice(kernels)
