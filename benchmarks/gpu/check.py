@@ -23,7 +23,7 @@ import torch
 from benchmarks.oracle import OracleChain, OracleTree, expected_emitted, greedy_references
 from specdec import AdaptivePolicy, FixedPolicy, Generator, SamplingParams
 from specdec.attention.torch_backend import TorchAttentionBackend
-from specdec.graphs import BUCKETS, DecodeGraphs, EagerCapture
+from specdec.graphs import EagerCapture, PassGraphs
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, KVSpec
 from specdec.models.llama import ModelConfig
@@ -74,8 +74,8 @@ def _generator(model, device: torch.device, *, graphs: bool = False, **kwargs) -
     if not graphs or device.type == "cuda":
         return Generator.from_components(model, backend=backend, cuda_graphs=graphs, **kwargs)
     gen = Generator.from_components(model, backend=backend, **kwargs)
-    backends = {b: TorchAttentionBackend() for b in BUCKETS}
-    gen.engine.graphs = DecodeGraphs(model, gen.engine.target_kv, backends, EagerCapture())
+    torch_backend = TorchAttentionBackend()
+    gen.engine.graphs = PassGraphs(model, gen.engine.target_kv, lambda b, r: torch_backend, EagerCapture())
     return gen
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from specdec.graphs import DecodeGraphs
+from specdec.graphs import PassGraphs
 from specdec.interfaces import (
     AttentionBackend,
     ProposeContext,
@@ -68,10 +68,10 @@ class Engine:
         proposer_kv: ModelKV | None = None,
         num_speculative_tokens: int = 0,
         policy: SpeculationPolicy | None = None,
-        graphs: DecodeGraphs | None = None,
+        graphs: PassGraphs | None = None,
     ) -> None:
         self.target = target
-        self.graphs = graphs  # CUDA graphs of the target's decode pass (specdec.graphs)
+        self.graphs = graphs  # CUDA graphs of the target's uniform passes (specdec.graphs)
         self.target_kv = target_kv
         self.backend = backend
         self.scheduler = scheduler
@@ -304,6 +304,11 @@ class Engine:
         num_draft = proposal.num_draft_tokens
         starts = [len(r.token_ids) - 1 for r in reqs]
         rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
+        if self._graphs_take_chain(len(reqs), proposal):
+            # Every sequence gets the step's full width of rows (token 0 past its drafts, in
+            # slots the step reserved anyway and nothing reads as committed), so the pass is
+            # uniform and replays a captured graph; the extra rows' logits are never judged.
+            rows = [row + [0] * (proposal.width + 1 - len(row)) for row in rows]
         positions, tree_masks, depths = None, None, list(num_draft)
         if proposal.kind is ProposalKind.TREE:
             positions, tree_masks = tree_rows(parents, num_draft, starts)
@@ -356,12 +361,23 @@ class Engine:
             errors=errors,
         )
 
+    def _graphs_take_chain(self, batch: int, proposal: DraftProposal) -> bool:
+        """Whether this chain verify pass, padded to the step's width, replays a graph."""
+        return (
+            self.graphs is not None
+            and proposal.kind is ProposalKind.CHAIN
+            and not self.proposer.needs_target_hidden
+            and self.graphs.takes(batch, proposal.width + 1)
+        )
+
     def _target_pass(self, layout: BatchLayout, timing: _StepTiming, **kwargs) -> ModelOutput:
         """The target's forward over ``layout``, with hidden states when the proposer wants them."""
         timing.rows = layout.num_tokens
         wants_hidden = self.proposer is not None and self.proposer.needs_target_hidden
-        if not wants_hidden and self.graphs is not None and self.graphs.applies(layout):
-            # A decode pass: every row's logits (all logits_indices can ask for) by replay.
+        every_row = "logits_indices" not in kwargs or set(layout.q_lens) == {1}
+        if not wants_hidden and every_row and self.graphs is not None and self.graphs.applies(layout):
+            # A decode pass (its last rows are all its rows) or a padded chain verify pass, which
+            # wants every row's logits: by replay. Prefill (last rows only) stays eager.
             return ModelOutput(logits=self.graphs.run(layout))
         plan = self.backend.plan(layout, self.target.attention_spec)
         if wants_hidden:

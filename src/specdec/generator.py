@@ -24,7 +24,7 @@ from specdec.distributed.follower import Follower
 from specdec.distributed.journal import JournaledKVCacheManager
 from specdec.distributed.model import TensorParallelLlama, load_tensor_parallel
 from specdec.engine import Engine
-from specdec.graphs import BUCKETS, CudaCapture, DecodeGraphs
+from specdec.graphs import CudaCapture, PassGraphs
 from specdec.handle import RequestHandle
 from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
 from specdec.kv.allocator import PageAllocator
@@ -150,7 +150,7 @@ class Generator:
             proposer_kv=proposer_kv,
             num_speculative_tokens=k,
             policy=policy,
-            graphs=_decode_graphs(target, target_kv, backend, num_pages) if cuda_graphs else None,
+            graphs=_pass_graphs(target, target_kv, backend, num_pages) if cuda_graphs else None,
         )
         # Threading: one lock serialises everything that touches the engine (scheduler, KV
         # pages, proposer, policy, metrics) and is held for exactly one step, so callers on
@@ -195,7 +195,8 @@ class Generator:
 
         ``backend``: the attention backend (default: :func:`specdec.attention.default_backend`,
         FlashInfer on CUDA when installed). ``cuda_graphs=True`` (CUDA, FlashInfer) replays the
-        target's decode passes of up to 32 rows from captured CUDA graphs (:mod:`specdec.graphs`);
+        target's decode and chain-verify passes of up to 32 sequences from captured CUDA graphs
+        (:mod:`specdec.graphs`);
         off by default until the GPU check has run it (docs/gpu.md)."""
         _check_components(proposer, None, cache_config)  # before the (slow) load
         if cuda_graphs is not False:  # the device is checked first, as load_model does
@@ -694,8 +695,8 @@ def _check_cuda_graphs(cuda_graphs: object, device: torch.device, parallel: bool
         )
 
 
-def _decode_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int) -> DecodeGraphs:
-    """The target's decode graphs, one FlashInfer graph backend per bucket sharing the
+def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int) -> PassGraphs:
+    """The target's pass graphs: a FlashInfer graph backend per (bucket, rows), sharing the
     generator's backend's workspace."""
     from specdec.attention.flashinfer_backend import FlashInferBackend
 
@@ -704,12 +705,12 @@ def _decode_graphs(target: LlamaModel, target_kv, backend: object, num_pages: in
             "cuda_graphs=True needs the FlashInfer attention backend (pip install 'specdec[gpu]', "
             f"bfloat16 or float16 weights), got {type(backend).__name__}"
         )
-    backends = {
-        b: FlashInferBackend(target.device, target.dtype, graph_batch=b, max_pages=num_pages,
-                             workspace=backend._workspace)
-        for b in BUCKETS
-    }  # fmt: skip
-    return DecodeGraphs(target, target_kv, backends, CudaCapture(target.device))
+
+    def backend_for(batch: int, rows: int) -> FlashInferBackend:
+        return FlashInferBackend(target.device, target.dtype, graph_batch=batch, graph_rows=rows,
+                                 max_pages=num_pages, workspace=backend._workspace)  # fmt: skip
+
+    return PassGraphs(target, target_kv, backend_for, CudaCapture(target.device))
 
 
 def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:

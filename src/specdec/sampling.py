@@ -35,6 +35,7 @@ __all__ = [
     "SamplingTensors",
     "TorchSampler",
     "draw_uniforms",
+    "generator_runs",
     "inverse_cdf",
     "logprobs_of",
     "make_generator",
@@ -354,6 +355,19 @@ def shift_rows(generators: Sequence[RowRandom], offset: int) -> list[RowRandom]:
     return [g.shifted(offset) if isinstance(g, SeededNoise) else g for g in generators]
 
 
+def generator_runs(generators: Sequence[object]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of consecutive rows sharing one generator object (or
+    ``None``): each run draws in one call."""
+    runs, start = [], 0
+    while start < len(generators):
+        end = start + 1
+        while end < len(generators) and generators[end] is generators[start]:
+            end += 1
+        runs.append((start, end))
+        start = end
+    return runs
+
+
 def draw_uniforms(
     generators: Sequence[torch.Generator | None],
     counts: Sequence[int],
@@ -373,11 +387,7 @@ def draw_uniforms(
             "position through race_sample"
         )
     pieces: list[torch.Tensor] = []
-    start = 0
-    while start < len(counts):
-        end = start + 1
-        while end < len(counts) and generators[end] is generators[start]:
-            end += 1
+    for start, end in generator_runs(generators):
         total = sum(counts[start:end])
         generator = generators[start]
         if generator is None:
@@ -388,7 +398,6 @@ def draw_uniforms(
                 total, dtype=torch.float64, device=generator.device, generator=generator
             )
             pieces.append(draws.to(device))
-        start = end
     if not pieces:
         return torch.empty(0, dtype=torch.float64, device=device)
     return torch.cat(pieces)

@@ -158,14 +158,16 @@ class FlashInferBackend:
         workspace_bytes: int = WORKSPACE_BYTES,
         *,
         graph_batch: int | None = None,
+        graph_rows: int = 1,
         max_pages: int = 0,
         workspace: torch.Tensor | None = None,
     ) -> None:
         """``graph_batch=B`` (with ``max_pages``, the KV pool's page count) makes a backend for
-        CUDA graphs (:mod:`specdec.graphs`): it plans decode passes of exactly ``B`` rows only,
-        into fixed buffers (a ``use_cuda_graph=True`` decode wrapper and a fixed slot-mapping
-        buffer), so a graph captured over one plan replays correctly after the next.
-        ``workspace``: share another backend's (their passes never overlap)."""
+        CUDA graphs (:mod:`specdec.graphs`): it plans passes of exactly ``B`` sequences of
+        ``graph_rows=R`` new rows each (R = 1: decode; R > 1: causal, a padded chain verify
+        pass) into fixed buffers (a ``use_cuda_graph=True`` decode or prefill wrapper and a
+        fixed slot-mapping buffer), so a graph captured over one plan replays correctly after
+        the next. ``workspace``: share another backend's (their passes never overlap)."""
         flashinfer = import_flashinfer()
         self.device = torch.device(device)
         self.dtype = dtype
@@ -176,20 +178,16 @@ class FlashInferBackend:
         self._workspace = workspace
         self.graph_batch = graph_batch
         self._slots: torch.Tensor | None = None
+        self.graph_rows = graph_rows
         if graph_batch is not None:
-            if graph_batch < 1 or max_pages < 1:
+            if graph_batch < 1 or graph_rows < 1 or max_pages < 1:
                 raise ValueError(
-                    f"graph_batch and max_pages must be >= 1, got {graph_batch} and {max_pages}"
+                    "graph_batch, graph_rows and max_pages must be >= 1, got "
+                    f"{graph_batch}, {graph_rows} and {max_pages}"
                 )
-            i32 = dict(dtype=torch.int32, device=self.device)
-            decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_cuda_graph=True, backend="fa2",
-                paged_kv_indptr_buffer=torch.zeros(graph_batch + 1, **i32),
-                paged_kv_indices_buffer=torch.zeros(max_pages, **i32),
-                paged_kv_last_page_len_buffer=torch.zeros(graph_batch, **i32),
-            )  # fmt: skip
-            self._slots = torch.zeros(graph_batch, dtype=torch.int64, device=self.device)
-            self._wrappers = {PassKind.DECODE: decode}
+            self._slots = torch.zeros(graph_batch * graph_rows, dtype=torch.int64, device=self.device)
+            self._wrappers = _graph_wrappers(flashinfer, self._workspace, graph_batch, graph_rows,
+                                             max_pages, self.device)  # fmt: skip
         else:
             self._wrappers = {
                 PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
@@ -206,11 +204,14 @@ class FlashInferBackend:
         """Plan ``layout``'s pass on the wrapper its kind takes (host work; stales older plans)."""
         inputs = plan_inputs(layout, spec)
         if self.graph_batch is not None and (
-            inputs.kind is not PassKind.DECODE or layout.batch_size != self.graph_batch
+            inputs.kind not in self._wrappers
+            or layout.batch_size != self.graph_batch
+            or set(layout.q_lens) != {self.graph_rows}
         ):
             raise ValueError(
-                f"this backend serves CUDA graphs of {self.graph_batch}-row decode passes, got a "
-                f"{inputs.kind.name.lower()} pass of {layout.batch_size} sequences"
+                f"this backend serves CUDA graphs of {self.graph_batch} sequences of "
+                f"{self.graph_rows} rows, got a {inputs.kind.name.lower()} pass of "
+                f"{layout.batch_size} sequences of {sorted(set(layout.q_lens))} rows"
             )
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, layout.page_size)
         types = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=spec.sm_scale)
@@ -251,6 +252,24 @@ class FlashInferBackend:
             )
         write_kv(plan, k, v, k_pages, v_pages)
         return self._wrappers[plan.inputs.kind].run(q.contiguous(), (k_pages, v_pages))
+
+
+def _graph_wrappers(flashinfer, workspace, batch: int, rows: int, max_pages: int, device) -> dict:
+    """The one wrapper of a CUDA-graph backend, over fixed CSR buffers (FA2: its kernels do not
+    change with the plan, which a captured graph needs)."""
+    i32 = dict(dtype=torch.int32, device=device)
+    indptr, indices = torch.zeros(batch + 1, **i32), torch.zeros(max_pages, **i32)
+    last = torch.zeros(batch, **i32)
+    if rows == 1:
+        return {PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last,
+        )}  # fmt: skip
+    return {PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        workspace, "NHD", use_cuda_graph=True, backend="fa2",
+        qo_indptr_buf=torch.zeros(batch + 1, **i32), paged_kv_indptr_buf=indptr,
+        paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
+    )}  # fmt: skip
 
 
 def import_flashinfer() -> object:

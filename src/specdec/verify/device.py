@@ -24,6 +24,7 @@ from typing import Literal
 import torch
 
 from specdec.noise import SeededNoise
+from specdec.sampling import generator_runs
 
 __all__ = ["KernelChoice", "check_kernel_choice", "stream_seeds", "use_triton", "seeded_keys"]
 
@@ -69,18 +70,13 @@ def stream_seeds(
     :func:`~specdec.sampling.draw_uniforms` does. No host sync: the seeds stay on the device.
     """
     pieces: list[torch.Tensor] = []
-    start = 0
-    while start < len(generators):
-        end = start + 1
-        while end < len(generators) and generators[end] is generators[start]:
-            end += 1
+    for start, end in generator_runs(generators):
         generator = generators[start]
         where = device if generator is None else generator.device
         draws = torch.randint(
             0, _SEED_LIMIT, (end - start,), generator=generator, device=where, dtype=torch.int64
         )
         pieces.append(draws.to(device, non_blocking=True))
-        start = end
     if not pieces:
         return torch.empty(0, dtype=torch.int64, device=device)
     return torch.cat(pieces)

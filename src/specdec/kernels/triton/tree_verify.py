@@ -296,6 +296,17 @@ def _row_sum(ptr, vocab, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _offered(q_ptr, cols, inside, token, q_mass, HAS_Q: tl.constexpr):
+    """The law sibling ``token`` was drawn from, over ``cols``: the draft's ``q`` when it has
+    mass left, else (and without a draft) the point at ``token``."""
+    d = tl.where(cols == token, 1.0, 0.0).to(tl.float64)
+    if HAS_Q:
+        q = tl.load(q_ptr + cols, mask=inside, other=0.0)
+        d = tl.where(q_mass > 0, q, d)
+    return d
+
+
+@triton.jit
 def _reject_sibling(r_ptr, q_ptr, token, q_mass, vocab, HAS_Q: tl.constexpr,
                     RESIDUAL: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
     """After sibling ``token`` is rejected: ``r <- normalize(max(r - d, 0))`` (``r`` kept when
@@ -307,22 +318,16 @@ def _reject_sibling(r_ptr, q_ptr, token, q_mass, vocab, HAS_Q: tl.constexpr,
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         inside = cols < vocab
-        point = tl.where(cols == token, 1.0, 0.0).to(tl.float64)
-        d = point
+        d = _offered(q_ptr, cols, inside, token, q_mass, HAS_Q)
         if HAS_Q:
-            q = tl.load(q_ptr + cols, mask=inside, other=0.0)
-            d = tl.where(q_mass > 0, q, point)
             kept_total += tl.sum(tl.where(inside & (cols != token), d, 0.0), axis=0)
         r = tl.load(r_ptr + cols, mask=inside, other=0.0)
         residual_total += tl.sum(tl.where(inside, tl.maximum(r - d, 0.0), 0.0), axis=0)
     for start in range(0, vocab, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         inside = cols < vocab
-        point = tl.where(cols == token, 1.0, 0.0).to(tl.float64)
-        d = point
+        d = _offered(q_ptr, cols, inside, token, q_mass, HAS_Q)
         if HAS_Q:
-            q = tl.load(q_ptr + cols, mask=inside, other=0.0)
-            d = tl.where(q_mass > 0, q, point)
             kept = tl.where(cols != token, d, 0.0)
             kept = tl.where(kept_total > 0, kept / tl.where(kept_total > 0, kept_total, 1.0), 0.0)
             tl.store(q_ptr + cols, kept, mask=inside)
