@@ -69,9 +69,11 @@ class Engine:
         num_speculative_tokens: int = 0,
         policy: SpeculationPolicy | None = None,
         graphs: PassGraphs | None = None,
+        proposer_graphs: PassGraphs | None = None,
     ) -> None:
         self.target = target
         self.graphs = graphs  # CUDA graphs of the target's uniform passes (specdec.graphs)
+        self.proposer_graphs = proposer_graphs  # the same for a draft model's own passes
         self.target_kv = target_kv
         self.backend = backend
         self.scheduler = scheduler
@@ -255,6 +257,7 @@ class Engine:
                 backend=self.backend,
                 device=self.target.device,
                 sampling=sampling if len(drafting) == len(reqs) else sampling.select_rows(drafting),
+                graphs=self.proposer_graphs,
             )
         )
         _check_proposal_shapes(proposal, len(drafting), lookahead, self.proposer.kind)

@@ -151,6 +151,9 @@ class Generator:
             num_speculative_tokens=k,
             policy=policy,
             graphs=_pass_graphs(target, target_kv, backend, num_pages) if cuda_graphs else None,
+            proposer_graphs=_draft_graphs(proposer, proposer_kv, backend, num_pages)
+            if cuda_graphs
+            else None,
         )
         # Threading: one lock serialises everything that touches the engine (scheduler, KV
         # pages, proposer, policy, metrics) and is held for exactly one step, so callers on
@@ -711,6 +714,15 @@ def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int)
                                  max_pages=num_pages, workspace=backend._workspace)  # fmt: skip
 
     return PassGraphs(target, target_kv, backend_for, CudaCapture(target.device))
+
+
+def _draft_graphs(proposer, proposer_kv, backend: object, num_pages: int) -> PassGraphs | None:
+    """Graphs of a draft model's own passes over its pool (other proposers: none)."""
+    from specdec.proposers import DraftModel
+
+    if not isinstance(proposer, DraftModel) or proposer_kv is None:
+        return None
+    return _pass_graphs(proposer.model, proposer_kv, backend, num_pages)
 
 
 def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:

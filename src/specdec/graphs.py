@@ -184,7 +184,8 @@ class PassGraphs:
         self.buckets = tuple(sorted(buckets))
         self.max_rows = max_rows
         manager = kv.manager
-        manager.add_sequence(PAD_SEQ_ID)
+        if not manager.has_sequence(PAD_SEQ_ID):  # pools share page ids: one set serves all
+            manager.add_sequence(PAD_SEQ_ID)
         manager.reserve(PAD_SEQ_ID, max_rows)
         self.pad_pages = manager.page_table(PAD_SEQ_ID)
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -238,4 +239,5 @@ class PassGraphs:
 
     def release(self) -> None:
         """Give the padding pages back (the generator is being closed)."""
-        self.kv.manager.free(PAD_SEQ_ID)
+        if self.kv.manager.has_sequence(PAD_SEQ_ID):
+            self.kv.manager.free(PAD_SEQ_ID)

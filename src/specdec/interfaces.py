@@ -95,6 +95,9 @@ class ProposeContext:
     backend: AttentionBackend | None = None
     device: torch.device = torch.device("cpu")  # where the target runs: put proposal tensors here
     sampling: SamplingTensors | None = None  # params as tensors on ``device``, one row per sequence
+    # CUDA graphs of the proposer's model over ``kv`` (specdec.graphs.PassGraphs), when the
+    # generator was built with cuda_graphs=True and the proposer is a draft model.
+    graphs: object | None = None
 
     def sampling_tensors(self, device: torch.device | str | None = None) -> SamplingTensors:
         """``params`` as sampling tensors on ``device`` (default: ``self.device``): the step's

@@ -81,8 +81,8 @@ def test_replayed_decode_equals_eager(stories_path, batch, monkeypatch):
 @pytest.mark.parametrize("mode", ["greedy", "seeded"])
 def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, monkeypatch):
     """Chain verify passes, padded to the step's width (requests drafting fewer tokens than
-    others, some none), replay graphs of k + 1 rows per sequence, and decode steps graphs of
-    one; the output equals plain decoding."""
+    others, some none), replay graphs of k + 1 rows per sequence, decode steps graphs of one,
+    the draft model's uniform passes its own graphs; the output equals plain decoding."""
     from specdec.proposers import DraftModel
 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -99,8 +99,22 @@ def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, mon
 
     spec = plain.with_proposer(draft, policy=Uneven(3))
     runs = _spy(_graphed(spec), monkeypatch)
+    backend = TorchAttentionBackend()
+    draft_graphs = PassGraphs(draft.model, spec.engine.proposer_kv, lambda b, r: backend, EagerCapture())
+    spec.engine.proposer_graphs = draft_graphs
+    draft_runs = _spy(draft_graphs, monkeypatch)
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
     assert (3, 4) in runs  # verify passes of 3 sequences padded to 4 rows each
+    assert draft_runs and all(rows >= 1 for _, rows in draft_runs)  # the draft's steps too
+    # The draft proposed exactly what it proposes eagerly (verification would hide a wrong
+    # draft from the output, not from the acceptance counts).
+    eager = plain.with_proposer(DraftModel.from_pretrained(stories_path, dtype="float32",
+                                num_speculative_tokens=3), policy=Uneven(3))  # fmt: skip
+    eager.generate(prompts, params)
+    assert (spec.metrics.num_drafted, spec.metrics.num_accepted) == (
+        eager.metrics.num_drafted, eager.metrics.num_accepted)
+    allocator = spec.kv.allocator  # the draft's graphs share the target's padding pages
+    assert allocator.num_free_pages == allocator.num_total_pages - len(draft_graphs.pad_pages)
 
 
 def test_cuda_graphs_argument_is_checked(stories_path):

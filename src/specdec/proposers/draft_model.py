@@ -114,7 +114,6 @@ class DraftModel:
 
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         k = ctx.num_speculative_tokens
-        spec = self.model.config.attention_spec
         st = ctx.sampling_tensors(self.model.device)
         all_greedy = all(p.is_greedy for p in ctx.params)
         starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
@@ -128,10 +127,7 @@ class DraftModel:
             layout = ctx.kv.layout(ctx.seq_ids, rows, starts, device=self.model.device)
             if fed is not None:  # one row per sequence: its draft (a -1 only ends its chain)
                 layout = attrs.evolve(layout, token_ids=fed.clamp_min(0))
-            plan = ctx.backend.plan(layout, spec)
-            logits = self.model(
-                layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices
-            ).logits  # [batch, vocab]
+            logits = self._logits(layout, ctx)  # [batch, vocab]
             if all_greedy:
                 tokens = logits.argmax(dim=-1)
             else:
@@ -155,6 +151,19 @@ class DraftModel:
             num_draft_tokens=tuple(num_draft),
             draft_probs=torch.stack(probs, dim=1) if probs else None,  # [batch, steps, vocab]
         )
+
+    def _logits(self, layout, ctx: ProposeContext) -> torch.Tensor:  # [batch, vocab]
+        """The draft's next-token logits after each sequence's last row: a graph replay when
+        the generator gave it graphs and the pass is uniform (every draft step after the
+        first), else eagerly."""
+        graphs = ctx.graphs
+        if graphs is not None and graphs.applies(layout):
+            logits = graphs.run(layout)  # [num_tokens, vocab]
+            return logits if layout.q_lens[0] == 1 else logits[layout.last_row_indices]
+        plan = ctx.backend.plan(layout, self.model.config.attention_spec)
+        return self.model(
+            layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices
+        ).logits
 
     def on_target_step(self, step: TargetStep) -> None:
         # The draft's KV is valid up to the first slot that differs from the committed history:
