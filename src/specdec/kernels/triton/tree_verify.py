@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.noise import row_key, uniforms_reference
+from specdec.noise import _MASK64, _signed, row_key, uniforms_reference
 from specdec.types import PAD_TOKEN_ID
 
 __all__ = [
@@ -41,8 +41,6 @@ __all__ = [
 ]
 
 _BLOCK_V = 1024
-_GAMMA = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
 
 
 def _block(vocab: int) -> int:
@@ -63,9 +61,7 @@ def chain_parents(batch: int, width: int, device: torch.device | str) -> torch.T
 
 def as_int64_bits(values: list[int], device: torch.device | str) -> torch.Tensor:
     """Python ints (seeds, any sign, any size) as the int64 tensor of their low 64 bits."""
-    bits = [v & _MASK64 for v in values]
-    return torch.tensor([b - (1 << 64) if b >> 63 else b for b in bits], dtype=torch.int64,
-                        device=device)  # fmt: skip
+    return torch.tensor([_signed(v & _MASK64) for v in values], dtype=torch.int64, device=device)
 
 
 # --- shared device functions ------------------------------------------------------------------
