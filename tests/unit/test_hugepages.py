@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
@@ -47,3 +50,19 @@ def test_buffer_is_aligned_and_zeroed():
     assert buf.numel() == 3 * 2**20 + 5 and buf.dtype == torch.uint8
     assert buf.data_ptr() % (2 << 20) == 0
     assert int(buf.max()) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux /proc")
+def test_buffer_is_private_memory_that_transparent_huge_pages_can_back():
+    """A shared anonymous mapping (``mmap.mmap(-1, n)``'s default) is shmem: it follows
+    ``shmem_enabled`` (often ``never``) rather than ``enabled = madvise``, and the weights got
+    no huge page at all. The arena must be a private mapping."""
+    buf = hugepage_buffer(4 << 20)
+    address = buf.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        lo, hi = (int(v, 16) for v in span.split("-"))
+        if lo <= address < hi:
+            assert perms[3] == "p", f"arena mapped {perms} (shared), want private"
+            return
+    raise AssertionError("the arena's mapping is not in /proc/self/maps")
