@@ -39,6 +39,23 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     return prompts[:n] if n else prompts
 
 
+def code_token_ids(tokenizer, max_chars: int = 40_000_000) -> list[int]:
+    """The token ids of Python's standard library sources (code, comments and docstrings, up to
+    ``max_chars`` characters, files in sorted order): a code corpus every machine has, with no
+    benchmark prompt in it, for picking a draft vocabulary by frequency."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, size = [], 0
+    for path in sorted(stdlib.rglob("*.py")):
+        if "test" in path.relative_to(stdlib).parts[0] or size >= max_chars:
+            continue
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        texts.append(text)
+        size += len(text)
+    return [t for text in texts for t in tokenizer.encode(text)]
+
+
 def machine_info() -> dict[str, object]:
     import transformers
 

@@ -15,6 +15,8 @@ outputs are checked token for token against specdec-plain (``matches_plain``).
 Systems:
     specdec-plain   Generator without a proposer (the baseline every ratio refers to)
     specdec-draft   Generator + DraftModel(draft, k)
+    specdec-draft-vocab  the same drafting from --draft-vocab tokens only (the most frequent in
+                    Python's standard library sources): a cheaper LM head, the same output
     specdec-draft-unquantized  the same with the draft's weights in --dtype even when
                     --draft-quantization is set (int8 against bf16 drafting in one run)
     specdec-draft-adaptive  the same with the default AdaptivePolicy (k at most the grid's k),
@@ -33,7 +35,8 @@ Systems:
                     same format, fixed k; ``-draft-adaptive``: the default AdaptivePolicy;
                     ``-draft-confident``: fixed k as a ceiling, each chain ending after a draft
                     token of draft probability below --draft-confidence; ``-draft-adaptive-
-                    confident``: both
+                    confident``: both; ``-draft-confident-vocab``: confident, from --draft-vocab
+                    tokens only
     llamacpp-plain  llama.cpp through llama-cpp-python on --llamacpp-target (a GGUF file, e.g.
                     the Q4_K_M the known models come from), batch 1, greedy; its own stack
     llamacpp-lookup the same with llama-cpp-python's speculation (LlamaPromptLookupDecoding,
@@ -340,6 +343,7 @@ class ModelPool:
         self.tree_depth = 5
         self.draft_quantization: str | None = None
         self.draft_confidence = 0.0  # specdec-*-draft-confident: where a chain ends
+        self.draft_vocab_size = 32768  # the -vocab systems: draft from this many tokens
         self._drafts: dict[str | None, object] = {}
         self._targets: dict[str | None, object] = {}
         self.dtype = dtype
@@ -376,6 +380,18 @@ class ModelPool:
                 self.draft_path, dtype=self.dtype, quantization=quantization
             ).model
         return self._drafts[quantization]
+
+    @functools.cached_property
+    def draft_vocab(self):
+        """The ``draft_vocab_size`` tokens most frequent in Python's standard library sources
+        (code and docstrings; no benchmark prompt is among them; ~45k distinct tokens), then
+        unseen ones in id order: the -vocab systems' drafts."""
+        from benchmarks.common import code_token_ids
+        from specdec.models.sub_vocab import frequent_token_ids
+
+        vocab = self.specdec_plain.engine.target.config.vocab_size
+        ids = code_token_ids(self.tokenizer)
+        return frequent_token_ids([ids], self.draft_vocab_size, vocab, fill=True)
 
     def specdec_generator(self, proposer, policy=None, quantization: str | None = None):
         """A generator on the shared target (stored with ``quantization``) with ``proposer``
@@ -429,16 +445,17 @@ def _specdec_plain(pool: ModelPool, k: int | None) -> SpecdecRunner:
 # transformers' at the same k; specdec-draft-adaptive lets the adaptive policy choose up to k
 # (benchmarks/throughput.py measures it across batch sizes).
 def _specdec_draft(
-    pool: ModelPool, k: int | None, *, adaptive: bool = False, unquantized: bool = False
+    pool: ModelPool, k: int | None, *, adaptive: bool = False, unquantized: bool = False, vocab: bool = False
 ) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
     model = pool.draft_model(None) if unquantized else pool.specdec_draft_model
+    draft_vocab = pool.draft_vocab if vocab else None
 
     def build():
         return pool.specdec_generator(
-            DraftModel.from_model(model, num_speculative_tokens=k),
+            DraftModel.from_model(model, num_speculative_tokens=k, draft_vocab=draft_vocab),
             policy=None if adaptive else FixedPolicy(k),
         )
 
@@ -453,10 +470,12 @@ def _specdec_quantized(
     draft: bool = False,
     adaptive: bool = False,
     confident: bool = False,
+    vocab: bool = False,
 ) -> SpecdecRunner:
     """A target stored with ``quantization``, plain or with a draft model stored the same way
     (the fastest draft for a quantized target: what a user of that format would run);
-    ``confident``: chains end below --draft-confidence (k is a ceiling)."""
+    ``confident``: chains end below --draft-confidence (k is a ceiling); ``vocab``: the draft
+    drafts from --draft-vocab tokens only."""
     from specdec import FixedPolicy
     from specdec.proposers import DraftModel
 
@@ -464,10 +483,13 @@ def _specdec_quantized(
         return SpecdecRunner(pool.specdec_generator(None, quantization=quantization))
     model = pool.draft_model(quantization)
     threshold = pool.draft_confidence if confident else 0.0
+    draft_vocab = pool.draft_vocab if vocab else None
 
     def build():
         return pool.specdec_generator(
-            DraftModel.from_model(model, num_speculative_tokens=k, confidence_threshold=threshold),
+            DraftModel.from_model(
+                model, num_speculative_tokens=k, confidence_threshold=threshold, draft_vocab=draft_vocab
+            ),
             policy=None if adaptive else FixedPolicy(k),
             quantization=quantization,
         )
@@ -496,6 +518,12 @@ def _quantized_systems(quantization: str) -> tuple[System, ...]:
         System(
             name=f"specdec-{quantization}-draft-confident",
             build=functools.partial(build, draft=True, confident=True),
+            speculative=True,
+            plain=plain,
+        ),
+        System(
+            name=f"specdec-{quantization}-draft-confident-vocab",
+            build=functools.partial(build, draft=True, confident=True, vocab=True),
             speculative=True,
             plain=plain,
         ),
@@ -628,6 +656,12 @@ SYSTEMS = {
             twin="hf-assisted",
         ),
         System(
+            name="specdec-draft-vocab",
+            build=functools.partial(_specdec_draft, vocab=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
+        System(
             # The draft's weights in --dtype even when --draft-quantization is set.
             name="specdec-draft-unquantized",
             build=functools.partial(_specdec_draft, unquantized=True),
@@ -718,6 +752,7 @@ class HarnessConfig:
     system_ks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     mtp_head: str | None = None
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
+    draft_vocab: int = 32768  # the -vocab systems: the N tokens most frequent in stdlib code
     eagle_head: str | None = None
     llamacpp_target: str | None = None  # the target as a GGUF file, for llamacpp-plain
     tree_top_k: int = 4
@@ -785,6 +820,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     pool.draft_quantization = cfg.draft_quantization
     pool.draft_confidence = cfg.draft_confidence
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
+    pool.draft_vocab_size = cfg.draft_vocab
     pool.eagle_head = Path(cfg.eagle_head) if cfg.eagle_head else None
     pool.llamacpp_target = Path(cfg.llamacpp_target) if cfg.llamacpp_target else None
     pool.tree_top_k, pool.tree_depth = cfg.tree_top_k, cfg.tree_depth
@@ -835,7 +871,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
         "models": {"target": str(target_path), "draft": str(draft_path),
                    "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
                    "draft_confidence": cfg.draft_confidence,
-                   "mtp_draft_vocab": cfg.mtp_draft_vocab, "eagle_head": cfg.eagle_head,
+                   "mtp_draft_vocab": cfg.mtp_draft_vocab, "draft_vocab": cfg.draft_vocab,
+                   "eagle_head": cfg.eagle_head,
                    "llamacpp_target": cfg.llamacpp_target,
                    "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
         "hf_settings": HF_SETTINGS,
@@ -1370,6 +1407,8 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     )
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
+    ap.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                    help="the -vocab systems: the draft model drafts from this many tokens (most frequent in stdlib code)")
     ap.add_argument("--eagle-head", default=d.eagle_head, help="EAGLE head directory for specdec-eagle*")
     ap.add_argument("--llamacpp-target", default=d.llamacpp_target,
                     help="the target as a GGUF file, for llamacpp-plain (llama-cpp-python)")  # fmt: skip

@@ -698,9 +698,9 @@ def _check_cuda_graphs(cuda_graphs: object, device: torch.device, parallel: bool
         )
 
 
-def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int) -> PassGraphs:
+def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int, head=None) -> PassGraphs:
     """The target's pass graphs: a FlashInfer graph backend per (bucket, rows), sharing the
-    generator's backend's workspace."""
+    generator's backend's workspace. ``head``: an LM head replacing the model's (a draft's)."""
     from specdec.attention.flashinfer_backend import FlashInferBackend
 
     if not isinstance(backend, FlashInferBackend):
@@ -713,7 +713,7 @@ def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int)
         return FlashInferBackend(target.device, target.dtype, graph_batch=batch, graph_rows=rows,
                                  max_pages=num_pages, workspace=backend._workspace)  # fmt: skip
 
-    return PassGraphs(target, target_kv, backend_for, CudaCapture(target.device))
+    return PassGraphs(target, target_kv, backend_for, CudaCapture(target.device), head=head)
 
 
 def _draft_graphs(proposer, proposer_kv, backend: object, num_pages: int) -> PassGraphs | None:
@@ -722,7 +722,7 @@ def _draft_graphs(proposer, proposer_kv, backend: object, num_pages: int) -> Pas
 
     if not isinstance(proposer, DraftModel) or proposer_kv is None:
         return None
-    return _pass_graphs(proposer.model, proposer_kv, backend, num_pages)
+    return _pass_graphs(proposer.model, proposer_kv, backend, num_pages, head=proposer.head)
 
 
 def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:

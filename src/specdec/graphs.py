@@ -167,6 +167,7 @@ class PassGraphs:
             called once per pair on first use.
         capture: how to capture (:class:`CudaCapture` on CUDA).
         buckets: the batch buckets; ``max_rows``: the most rows per sequence graphed.
+        head: replaces the model's LM head in every pass (a draft vocabulary).
     """
 
     def __init__(
@@ -178,8 +179,9 @@ class PassGraphs:
         *,
         buckets: Sequence[int] = BUCKETS,
         max_rows: int = MAX_ROWS,
+        head: torch.nn.Module | None = None,
     ) -> None:
-        self.model, self.kv, self.capture = model, kv, capture
+        self.model, self.kv, self.capture, self.head = model, kv, capture, head
         self.backend_for = backend_for
         self.buckets = tuple(sorted(buckets))
         self.max_rows = max_rows
@@ -231,7 +233,7 @@ class PassGraphs:
     def _forward(self, graph: _Graph, static: BatchLayout) -> None:
         """The captured function: the model over the pair's buffers and current plan."""
         with torch.inference_mode():  # as the model's own forward: the buffer is one of its tensors
-            out = self.model(static, self.kv, graph.backend, graph.plan)
+            out = self.model(static, self.kv, graph.backend, graph.plan, head=self.head)
             if graph.logits is None:
                 graph.logits = out.logits  # the graph's own output buffer
             else:

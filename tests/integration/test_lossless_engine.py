@@ -67,7 +67,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | draft-confident | mtp | mtp-vocab | lookup
+    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | lookup
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -93,6 +93,7 @@ CASES = [
     Case("t1.0", 3, "lookup", "stream"),
     Case("t0.8-topk8-topp0.9", 2, "lookup", "seeded"),
     Case("t1.0", 3, "mtp-vocab", "stream"),
+    Case("t0.8-topk8-topp0.9", 3, "draft-vocab", "seeded"),
     Case("t1.0", 3, "draft-confident", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-confident", "seeded"),
     Case("t1.0", 3, "draft", "stream", pages="tight"),
@@ -151,6 +152,8 @@ def _proposer(models, kind: str, k: int):
         return DraftModel.from_model(models[2], num_speculative_tokens=k)
     if kind == "draft-confident":  # chains end after a draft token of draft probability < 0.15
         return DraftModel.from_model(models[2], num_speculative_tokens=k, confidence_threshold=0.15)
+    if kind == "draft-vocab":  # the draft model drafts from 7 of the 12 tokens only
+        return DraftModel.from_model(models[2], num_speculative_tokens=k, draft_vocab=[0, 1, 3, 4, 7, 9, 10])
     if kind == "lookup":
         return PromptLookup(num_speculative_tokens=k)
     # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere).

@@ -379,3 +379,44 @@ def test_quantization_is_checked_before_loading(tmp_path):
         Generator.from_pretrained(missing, quantization="q4", device="cuda")
     with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'q4'"):
         DraftModel.from_pretrained(missing, quantization="int4")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_draft_vocabulary_changes_proposals_not_output(tiny_pair, temperature):
+    """A draft model that drafts from part of the vocabulary: the plain output (greedy, and a
+    seeded sample), drafts from that part only, and a cheaper LM head."""
+    target, draft = tiny_pair
+    vocab = target.config.vocab_size
+    subset = list(range(0, vocab, 2))  # half the tokens
+    prompts = _prompts(vocab, 4, seed=3)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=5)
+    plain = Generator.from_components(target).generate(prompts, params)
+    proposer = DraftModel.from_model(draft, num_speculative_tokens=3, draft_vocab=subset)
+    drafted: list[int] = []
+    original = proposer.propose
+
+    def recording(ctx):
+        out = original(ctx)
+        drafted.extend(t for row, n in zip(out.draft_token_ids.tolist(), out.num_draft_tokens) for t in row[:n])
+        return out
+
+    proposer.propose = recording
+    gen = Generator.from_components(target, proposer=proposer, policy=FixedPolicy(3))
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert drafted and set(drafted) <= set(subset)
+    assert 0 < gen.metrics.num_accepted < gen.metrics.num_drafted
+    assert proposer.head.linear.weight.shape[0] == len(subset)
+
+
+def test_draft_vocabulary_is_checked_before_loading():
+    with pytest.raises(ValueError, match="draft_vocab must not repeat a token id"):
+        DraftModel.from_pretrained("no-such-draft", draft_vocab=[1, 1])
+    with pytest.raises(TypeError, match="draft_vocab must be a 1-D sequence of token ids"):
+        DraftModel.from_pretrained("no-such-draft", draft_vocab=3)
+
+
+def test_draft_vocabulary_outside_the_models_vocabulary_is_named(tiny_pair):
+    _, draft = tiny_pair
+    vocab = draft.config.vocab_size
+    with pytest.raises(ValueError, match=rf"draft_vocab must hold token ids in \[0, {vocab}\)"):
+        DraftModel.from_model(draft, draft_vocab=[0, vocab])

@@ -78,11 +78,12 @@ def test_replayed_decode_equals_eager(stories_path, batch, monkeypatch):
     assert allocator.num_free_pages == allocator.num_total_pages - len(graphs.pad_pages)
 
 
-@pytest.mark.parametrize("mode", ["greedy", "seeded"])
-def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, monkeypatch):
+@pytest.mark.parametrize(("mode", "vocab"), [("greedy", None), ("seeded", None), ("greedy", "even ids")])
+def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, vocab, monkeypatch):
     """Chain verify passes, padded to the step's width (requests drafting fewer tokens than
     others, some none), replay graphs of k + 1 rows per sequence, decode steps graphs of one,
-    the draft model's uniform passes its own graphs; the output equals plain decoding."""
+    the draft model's uniform passes its own graphs (with its draft vocabulary's LM head when
+    it has one); the output equals plain decoding."""
     from specdec.proposers import DraftModel
 
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
@@ -91,7 +92,9 @@ def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, mon
     prompts = ["Once upon a time", "The cat", "Lily and Tom went"]
     plain = Generator.from_pretrained(stories_path, dtype="float32")
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    draft = DraftModel.from_pretrained(stories_path, dtype="float32", num_speculative_tokens=3)
+    draft_vocab = None if vocab is None else list(range(0, 512, 2))
+    draft = DraftModel.from_pretrained(stories_path, dtype="float32", num_speculative_tokens=3,
+                                       draft_vocab=draft_vocab)  # fmt: skip
 
     class Uneven(FixedPolicy):  # request i drafts 3 - i tokens: ragged chains in one pass
         def choose(self, ctx):
@@ -100,7 +103,8 @@ def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, mon
     spec = plain.with_proposer(draft, policy=Uneven(3))
     runs = _spy(_graphed(spec), monkeypatch)
     backend = TorchAttentionBackend()
-    draft_graphs = PassGraphs(draft.model, spec.engine.proposer_kv, lambda b, r: backend, EagerCapture())
+    draft_graphs = PassGraphs(draft.model, spec.engine.proposer_kv, lambda b, r: backend, EagerCapture(),
+                              head=draft.head)  # as Generator(cuda_graphs=True) builds them
     spec.engine.proposer_graphs = draft_graphs
     draft_runs = _spy(draft_graphs, monkeypatch)
     assert [o.token_ids for o in spec.generate(prompts, params)] == want
@@ -109,7 +113,7 @@ def test_speculative_generation_with_graphs_equals_plain(stories_path, mode, mon
     # The draft proposed exactly what it proposes eagerly (verification would hide a wrong
     # draft from the output, not from the acceptance counts).
     eager = plain.with_proposer(DraftModel.from_pretrained(stories_path, dtype="float32",
-                                num_speculative_tokens=3), policy=Uneven(3))  # fmt: skip
+                                num_speculative_tokens=3, draft_vocab=draft_vocab), policy=Uneven(3))  # fmt: skip
     eager.generate(prompts, params)
     assert (spec.metrics.num_drafted, spec.metrics.num_accepted) == (
         eager.metrics.num_drafted, eager.metrics.num_accepted)

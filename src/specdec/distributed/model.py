@@ -68,11 +68,11 @@ class TensorParallelLlama(LlamaModel):
         if not self.group.is_leader:
             self.lm_head = None
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, head: torch.nn.Module | None = None) -> torch.Tensor:
         """:meth:`LlamaModel.logits`; vocab-parallel (a collective, whole on the leader only)
-        with ``head_shard``."""
-        if self.head_shard is None:
-            return super().logits(hidden)
+        with ``head_shard``; a given ``head`` runs whole on every rank."""
+        if head is not None or self.head_shard is None:
+            return super().logits(hidden, head)
         return self.head_shard(self.norm(hidden))
 
     # ---- the leader's side ------------------------------------------------------------------

@@ -354,9 +354,10 @@ class LlamaModel(nn.Module):
         states[len(self.layers)] = h if delta is None else h + delta
         return states
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept)."""
-        out = self.lm_head(self.norm(hidden))
+    def logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+        """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept).
+        ``head`` replaces ``lm_head`` (a draft vocabulary, :mod:`specdec.models.sub_vocab`)."""
+        out = (self.lm_head if head is None else head)(self.norm(hidden))
         return out if out.dtype == torch.float64 else out.float()
 
     @torch.inference_mode()
@@ -370,13 +371,15 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [rows] int64; None = every row
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
+        head: nn.Module | None = None,
     ) -> ModelOutput:
         """Run the batch; logits only for ``logits_indices`` (prefill needs the last rows only).
 
         ``hidden_layers`` asks for ``hidden_states`` ``[num_tokens, len(hidden_layers) * hidden]``:
         the inputs of those decoder layers concatenated in the given order, ``num_layers``
         meaning the last layer's output before the final norm (what ``return_hidden=True``
-        returns, i.e. ``hidden_layers=(num_layers,)``). EAGLE heads feed on these.
+        returns, i.e. ``hidden_layers=(num_layers,)``). EAGLE heads feed on these. ``head``
+        replaces the LM head (see :meth:`logits`).
 
         Example:
             >>> out = model(layout, kv, backend, plan, hidden_layers=(2, 16, 29))
@@ -394,4 +397,4 @@ class LlamaModel(nn.Module):
         hidden = None
         if captured:
             hidden = captured[0] if len(captured) == 1 else torch.cat(captured, dim=-1)
-        return ModelOutput(logits=self.logits(rows), hidden_states=hidden)
+        return ModelOutput(logits=self.logits(rows, head), hidden_states=hidden)

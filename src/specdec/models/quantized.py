@@ -58,12 +58,23 @@ class Int8Linear(nn.Module):
     ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """``codes``: ``(q, scale)`` as :func:`~specdec.kernels.cpu_int8.quantize_int8` returns
+        them, taken as they are (rows of another int8 layer) instead of quantizing ``weight``
+        (which may then be a meta tensor: only its shape and dtype are read)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
-        if weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
+        if codes is not None:
+            if tuple(codes[0].shape) != tuple(weight.shape):
+                raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
+            packed, scale = pack_int8(*codes)
+        elif weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
             panels, groups = -(-self.out_features // FEATURES), -(-self.in_features // GROUP)
             packed = torch.empty(panels, groups, 256, dtype=torch.int8, device="meta")
             scale = torch.empty(panels * FEATURES, dtype=torch.float32, device="meta")
@@ -99,18 +110,19 @@ class Q4Linear(nn.Module):
         codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """``codes``: ``(q, d, c)`` as :func:`~specdec.kernels.cpu_q4.quantize_q4` returns them,
-        taken as they are (a GGUF file's 4-bit blocks) instead of quantizing ``weight``."""
+        taken as they are (a GGUF file's 4-bit blocks, rows of another q4 layer) instead of
+        quantizing ``weight`` (which may then be a meta tensor)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
-        if weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
-            shape = (-(-self.out_features // FEATURES), -(-self.in_features // GROUP), BLOCK_BYTES)
-            packed = torch.empty(shape, dtype=torch.uint8, device="meta")
-        elif codes is not None:
+        if codes is not None:
             groups = -(-self.in_features // GROUP)
             if tuple(codes[0].shape) != (self.out_features, groups, GROUP):
                 raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
             packed = pack_q4(*codes)
+        elif weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
+            shape = (-(-self.out_features // FEATURES), -(-self.in_features // GROUP), BLOCK_BYTES)
+            packed = torch.empty(shape, dtype=torch.uint8, device="meta")
         else:  # chunks of whole panels: the same bytes as one call, less float32 scratch
             packed = torch.cat([
                 pack_q4(*quantize_q4(weight[r : r + _Q4_CHUNK_ROWS]))

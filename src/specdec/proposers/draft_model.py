@@ -14,6 +14,11 @@ sequence's chain has ended: k is then a ceiling. Where the draft hesitates the t
 disagrees, so the forwards saved cost little acceptance (the dynamic draft length of
 transformers' assisted generation and of SpecDec++). The stopping rule reads the draft's
 distribution only, never the target's, so the verifiers stay exact.
+
+With ``draft_vocab`` (token ids, e.g. the most frequent ones of a corpus:
+:func:`specdec.models.sub_vocab.frequent_token_ids`) the draft's LM head computes those tokens'
+logits only (:class:`~specdec.models.sub_vocab.SubVocabHead`): a cheaper draft forward, drafts
+from that subset only, the same output.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from specdec.kv.paged import KVSpec
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.models.quantized import check_quantization
+from specdec.models.sub_vocab import SubVocabHead, check_token_ids
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
@@ -54,11 +60,13 @@ class DraftModel:
     kind = ProposalKind.CHAIN
     needs_target_hidden = False
 
-    def __init__(self, model: LlamaModel, config: DraftModelConfig) -> None:
+    def __init__(self, model: LlamaModel, config: DraftModelConfig, *, draft_vocab: object = None) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model must be a specdec LlamaModel, got {type(model).__name__}")
         self.model = model
         self.config = config
+        # The LM head drafts come from: the model's own (None) or a draft vocabulary's.
+        self.head = None if draft_vocab is None else SubVocabHead(model.lm_head, draft_vocab, model.config.vocab_size)
         self._computed: dict[int, int] = {}  # seq_id -> slots of this sequence in the draft's KV
 
     @classmethod
@@ -71,27 +79,36 @@ class DraftModel:
         device: str | torch.device = "cpu",
         quantization: str | None = None,
         confidence_threshold: float = 0.0,
+        draft_vocab: object = None,
     ) -> DraftModel:
         """Load a draft model. ``quantization="int8"`` or ``"q4"`` stores its linear layers as
         weight-only int8 or 4-bit (CPU): less time per draft token at batch 1, slightly
         different proposals, the same output (the verifier uses the draft's own probabilities).
         ``confidence_threshold`` in [0, 1): end a chain after a token the draft gives less than
-        that probability (module docstring); 0 always drafts k tokens."""
+        that probability (module docstring); 0 always drafts k tokens. ``draft_vocab``: token
+        ids to draft from (module docstring); ``None``: the whole vocabulary."""
         config = DraftModelConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )  # validate first
         check_quantization(quantization, device)
+        if draft_vocab is not None:  # its type and shape before the load; its range after
+            check_token_ids(draft_vocab, 2**62)
         model, _, _ = load_model(path, dtype=dtype, device=device, quantization=quantization)
-        return cls(model, config)
+        return cls(model, config, draft_vocab=draft_vocab)
 
     @classmethod
     def from_model(
-        cls, model: LlamaModel, *, num_speculative_tokens: int = 4, confidence_threshold: float = 0.0
+        cls,
+        model: LlamaModel,
+        *,
+        num_speculative_tokens: int = 4,
+        confidence_threshold: float = 0.0,
+        draft_vocab: object = None,
     ) -> DraftModel:
         config = DraftModelConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )
-        return cls(model, config)
+        return cls(model, config, draft_vocab=draft_vocab)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -162,7 +179,7 @@ class DraftModel:
             return logits if layout.q_lens[0] == 1 else logits[layout.last_row_indices]
         plan = ctx.backend.plan(layout, self.model.config.attention_spec)
         return self.model(
-            layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices
+            layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices, head=self.head
         ).logits
 
     def on_target_step(self, step: TargetStep) -> None:

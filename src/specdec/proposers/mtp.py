@@ -28,7 +28,7 @@ from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
 from specdec.models.llama import LlamaModel
-from specdec.models.packed import linear_weights, pack_linears, should_pack
+from specdec.models.sub_vocab import SubVocabHead
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
@@ -120,31 +120,15 @@ class MTPHead:
         return (self.head.kv_spec("mtp"),)
 
     def _build_sub_head(self) -> None:
-        if self._draft_vocab is None:
-            return
-        vocab = self.head.target_config.vocab_size
-        ids = self._draft_vocab
-        if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids in [0, {vocab})")
-        weight, _ = linear_weights(self.head.target.lm_head)
-        device = self.head.device
-        ids = ids.to(device)
-        sub = torch.nn.Linear(weight.shape[1], ids.numel(), bias=False, device=device, dtype=weight.dtype)
-        with torch.no_grad():
-            sub.weight.copy_(weight.to(device)[ids])
-        holder = torch.nn.Sequential(sub).requires_grad_(False)
-        if should_pack(holder):
-            pack_linears(holder)
-        self._sub_head = holder[0]
-        self._draft_vocab = ids
+        if self._draft_vocab is not None:
+            target = self.head.target
+            self._sub_head = SubVocabHead(target.lm_head, self._draft_vocab, target.config.vocab_size)
 
     def _draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         """``[rows, hidden] -> [rows, vocab]`` float; ``-inf`` outside the draft vocabulary."""
         if self._sub_head is None:
             return self.head.logits(g)
-        sub = self._sub_head(self.head.norm(g).to(self.head.target.dtype)).float()  # [rows, n]
-        full = sub.new_full((sub.shape[0], self.head.target_config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self._draft_vocab, sub)
+        return self._sub_head(self.head.norm(g).to(self.head.target.dtype)).float()
 
     # --------------------------------------------------------------- drafting
     def propose(self, ctx: ProposeContext) -> DraftProposal:
