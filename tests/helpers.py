@@ -126,3 +126,18 @@ def skip_device_call_repatching(monkeypatch) -> None:
             raise interpreter.InterpreterError(repr(e)) from e
 
     monkeypatch.setattr(cls, "__call__", call)
+
+
+def record_drafts(proposer) -> list[int]:
+    """Patch ``proposer.propose`` (on the instance) to append every drafted token id, each
+    sequence's first ``num_draft_tokens``, to the returned list."""
+    drafted: list[int] = []
+    original = proposer.propose
+
+    def recording(ctx):
+        out = original(ctx)
+        drafted.extend(t for row, n in zip(out.draft_token_ids.tolist(), out.num_draft_tokens) for t in row[:n])
+        return out
+
+    proposer.propose = recording
+    return drafted

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import random_head, random_prompts
+from helpers import random_head, random_prompts, record_drafts
 
 from specdec import Generator, SamplingParams
 from specdec.models.heads import MTPHeadModel, load_mtp_head, save_mtp_head
@@ -209,15 +209,7 @@ def test_draft_vocabulary_subset_is_exact_and_only_drafts_from_it(tiny_target, t
     head = random_head(tiny_target, 9)
     subset = torch.tensor([5, 17, 3, 40, 99, 60, 2, 81])
     proposer = MTPHead.from_model(head, num_speculative_tokens=3, draft_vocab=subset)
-    drafted = []
-    original = proposer.propose
-
-    def recording(ctx):
-        out = original(ctx)
-        drafted.extend(t for row, n in zip(out.draft_token_ids.tolist(), out.num_draft_tokens) for t in row[:n])
-        return out
-
-    proposer.propose = recording
+    drafted = record_drafts(proposer)
     prompts = _prompts(103, 4, seed=3)
     plain = Generator.from_components(tiny_target).generate(prompts, GREEDY)
     gen = Generator.from_components(tiny_target, proposer=proposer, policy=3)

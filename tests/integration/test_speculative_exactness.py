@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from helpers import perturbed, random_prompts
+from helpers import perturbed, random_prompts, record_drafts
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.models.loading import load_model
@@ -392,15 +392,7 @@ def test_draft_vocabulary_changes_proposals_not_output(tiny_pair, temperature):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=temperature, seed=5)
     plain = Generator.from_components(target).generate(prompts, params)
     proposer = DraftModel.from_model(draft, num_speculative_tokens=3, draft_vocab=subset)
-    drafted: list[int] = []
-    original = proposer.propose
-
-    def recording(ctx):
-        out = original(ctx)
-        drafted.extend(t for row, n in zip(out.draft_token_ids.tolist(), out.num_draft_tokens) for t in row[:n])
-        return out
-
-    proposer.propose = recording
+    drafted = record_drafts(proposer)
     gen = Generator.from_components(target, proposer=proposer, policy=FixedPolicy(3))
     assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in plain]
     assert drafted and set(drafted) <= set(subset)
