@@ -389,7 +389,9 @@ class ModelPool:
         from benchmarks.common import code_token_ids
         from specdec.models.sub_vocab import frequent_token_ids
 
-        vocab = self.specdec_plain.engine.target.config.vocab_size
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(self.draft_path).vocab_size  # no model loaded for it
         ids = code_token_ids(self.tokenizer)
         return frequent_token_ids([ids], self.draft_vocab_size, vocab, fill=True)
 

@@ -8,7 +8,7 @@ the draft's own distribution, which is zero outside the subset; only acceptance 
 the target's token lies outside it.
 
 Example:
-    >>> ids = frequent_token_ids(tokenized_corpus, 32768)
+    >>> ids = frequent_token_ids(tokenized_corpus, 32768, model.config.vocab_size, fill=True)
     >>> head = SubVocabHead(model.lm_head, ids, model.config.vocab_size)
     >>> head(hidden).shape  # [rows, vocab], -inf outside ids
 """
@@ -26,9 +26,10 @@ from specdec.models.packed import linear_weights, pack_linears, should_pack
 __all__ = ["SubVocabHead", "check_token_ids", "frequent_token_ids"]
 
 
-def check_token_ids(token_ids: object, vocab_size: int, *, name: str = "draft_vocab") -> torch.Tensor:
-    """``token_ids`` as a sorted ``[n]`` int64 CPU tensor of distinct ids in ``[0, vocab_size)``;
-    a clear error naming ``name`` otherwise."""
+def check_token_ids(token_ids: object, vocab_size: int | None, *, name: str = "draft_vocab") -> torch.Tensor:
+    """``token_ids`` as a sorted ``[n]`` int64 CPU tensor of distinct ids in ``[0, vocab_size)``
+    (``None``: any non-negative id, for a check before the model is known); a clear error naming
+    ``name`` otherwise."""
     if isinstance(token_ids, torch.Tensor):
         ids = token_ids.detach().cpu()
     else:
@@ -39,8 +40,9 @@ def check_token_ids(token_ids: object, vocab_size: int, *, name: str = "draft_vo
     if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be a non-empty 1-D tensor of integer token ids, got shape {tuple(ids.shape)} {ids.dtype}")
     ids = ids.to(torch.int64)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ValueError(f"{name} must hold token ids in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}")
+    if int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size):
+        bound = "..." if vocab_size is None else vocab_size
+        raise ValueError(f"{name} must hold token ids in [0, {bound}), got {int(ids.min())}..{int(ids.max())}")
     unique = torch.unique(ids)  # sorted
     if unique.numel() != ids.numel():
         raise ValueError(f"{name} must not repeat a token id ({ids.numel() - unique.numel()} repeats)")
@@ -90,7 +92,7 @@ class SubVocabHead(nn.Module):
         sub = self.linear(x)  # [rows, n]
         sub = sub if sub.dtype == torch.float64 else sub.float()
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.token_ids.to(sub.device), sub)
+        return full.index_copy_(1, self.token_ids, sub)
 
 
 def _rows_of(source: nn.Module, ids: torch.Tensor) -> nn.Module:

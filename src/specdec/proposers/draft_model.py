@@ -92,7 +92,7 @@ class DraftModel:
         )  # validate first
         check_quantization(quantization, device)
         if draft_vocab is not None:  # its type and shape before the load; its range after
-            check_token_ids(draft_vocab, 2**62)
+            check_token_ids(draft_vocab, None)
         model, _, _ = load_model(path, dtype=dtype, device=device, quantization=quantization)
         return cls(model, config, draft_vocab=draft_vocab)
 
