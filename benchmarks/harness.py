@@ -386,10 +386,10 @@ class ModelPool:
         """The ``draft_vocab_size`` tokens most frequent in Python's standard library sources
         (code and docstrings; no benchmark prompt is among them; ~45k distinct tokens), then
         unseen ones in id order: the -vocab systems' drafts."""
+        from transformers import AutoConfig
+
         from benchmarks.common import code_token_ids
         from specdec.models.sub_vocab import frequent_token_ids
-
-        from transformers import AutoConfig
 
         vocab = AutoConfig.from_pretrained(self.draft_path).vocab_size  # no model loaded for it
         ids = code_token_ids(self.tokenizer)

@@ -97,7 +97,98 @@ def test_one_call_layer_rounds_like_the_torch_ops(x_dtype, out_dtype, with_bias)
     x = torch.randn(6, 40, generator=g).to(x_dtype)
     bias = torch.randn(53, generator=g) if with_bias else None
     packed = pack_weight(w)
-    product = packed_linear(x.float(), packed, 53)
+    product = packed_linear(x, packed, 53)  # the kernel's float32 product for x's dtype
     want = (product if bias is None else product + bias).to(out_dtype)
     got = packed_linear(x, packed, 53, bias, out_dtype)
     assert got.dtype == out_dtype and torch.equal(got, want)
+
+
+def _bf16_dot_kernel():
+    from specdec.kernels.cpu_linear import load_kernel
+
+    kernel = load_kernel()
+    if kernel is None or not kernel.packed_has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16: the kernel's vdpbf16ps path does not run here")
+    return kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 13])
+@pytest.mark.parametrize("in_features", [1, 2, 3, 6, 72, 73])
+@pytest.mark.parametrize("out_features", [16, 37])
+def test_bf16_dot_path_matches_reference(rows, in_features, out_features):
+    """The AVX512-BF16 path against the float64 product: only float32 rounding apart (its sums
+    run in another order than the FMA path's), odd in_features included (a masked last row)."""
+    _bf16_dot_kernel()
+    g = torch.Generator().manual_seed(rows * 1000 + in_features * 10 + out_features)
+    w = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    got = packed_linear(x, packed, out_features, bf16_dot=1)
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T  # the error bound grows with sum |x w|
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert ((got.double() - exact).abs() <= 4 * in_features * 2.0**-24 * scale).all()
+
+
+@needs_kernel
+def test_bf16_dot_rows_are_batch_invariant():
+    """Within the AVX512-BF16 path a row's bits do not depend on the rows beside it (blocks of
+    eight rows, a partial block, the row alone), so verify passes compute what decoding does."""
+    _bf16_dot_kernel()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 99, generator=g).to(torch.bfloat16)  # odd in_features: the tail too
+    x = torch.randn(19, 99, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    together = packed_linear(x, packed, 70, bf16_dot=1)
+    for i in range(19):
+        assert torch.equal(packed_linear(x[i : i + 1], packed, 70, bf16_dot=1), together[i : i + 1])
+    assert torch.equal(packed_linear(x[3:9], packed, 70, bf16_dot=1), together[3:9])
+
+
+@needs_kernel
+def test_bf16_dot_is_the_default_for_bf16_activations_only():
+    """bf16 activations take the AVX512-BF16 path where the CPU has it, float32 ones the FMA
+    path; the two differ in last bits on some inputs (another summation order), which is why the
+    choice must depend on nothing but the CPU and the dtype."""
+    _bf16_dot_kernel()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16)
+    x = torch.randn(4, 512, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    dot, fma = packed_linear(x, packed, 64, bf16_dot=1), packed_linear(x, packed, 64, bf16_dot=0)
+    assert torch.equal(packed_linear(x, packed, 64), dot)
+    assert torch.equal(packed_linear(x.float(), packed, 64), fma)
+    assert not torch.equal(dot, fma)
+
+
+@needs_kernel
+def test_bf16_dot_bad_arguments_are_named():
+    w = pack_weight(torch.randn(16, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16_dot must be None, 0 or 1"):
+        packed_linear(torch.randn(1, 8), w, 16, bf16_dot=2)
+    _bf16_dot_kernel()
+    with pytest.raises(RuntimeError, match="bf16_dot=1 needs bfloat16 x"):
+        packed_linear(torch.randn(1, 8), w, 16, bf16_dot=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16_dot", [0, 1])
+def test_two_threads_give_the_bits_of_one(bf16_dot):
+    """Threads split the panels, never a sum: the same bits at one and two threads, for both
+    paths. (The AVX512-BF16 path once passed a vector from the thread pool's lambda, compiled
+    without AVX-512, by value: garbage on the second thread only.)"""
+    if bf16_dot:
+        _bf16_dot_kernel()
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(344, 64, generator=g).to(torch.bfloat16)  # 22 panels: both threads work
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    packed = pack_weight(w)
+    one = packed_linear(x, packed, 344, bf16_dot=bf16_dot)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = packed_linear(x, packed, 344, bf16_dot=bf16_dot)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

@@ -17,6 +17,17 @@
 // Determinism: every output element is a sequential float32 FMA chain over k = 0..K-1, whatever
 // M is or how rows are grouped, so a row inside a k+1-row verify pass is bitwise equal to the
 // same row computed alone.
+//
+// ---- AVX512-BF16 path (Zen 4, Sapphire Rapids and later), for bf16 activations. The same
+// packed bytes: two panel rows k, k + 1 (64 bytes) become one vector of (w[f][k], w[f][k+1])
+// pairs by one vpermw, and vdpbf16ps adds both products to feature f's float32 lane: 32
+// multiply-adds per instruction against 2 per FMA path instruction after unpacking, so a 6-row
+// pass stays near the cost of the memory traffic and a 1-row pass issues few enough
+// instructions for the loads to run ahead. bf16 x bf16 products are exact in float32, so the
+// path differs from the FMA one only in the order of the additions (and flushes denormals): per
+// output, two chains over alternate k pairs ((0,1), (4,5), ... and (2,3), (6,7), ...), added at
+// the end. That order does not depend on M either, so rows stay bitwise batch invariant within
+// the path. Which path a call takes depends only on the CPU and the activations' dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -116,6 +127,108 @@ void panels_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* panel
   }
 }
 
+
+// ---------------------------------------------------------------- AVX512-BF16 (vdpbf16ps)
+#define SPECDEC_BF16DOT __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512bf16")))
+
+constexpr int kMaxRowsDot = 8;  // 2 accumulators per row of the 32 zmm registers
+
+// vpermw indices: word 2f of the result is feature f of panel row k (word order^-1[f] of the
+// first 32 bytes; the packing order is its own inverse), word 2f + 1 the same feature of row
+// k + 1 (16 words further). Loaded inside the target("avx512...") functions: a vector passed by
+// value from code compiled without AVX-512 (the parallel_for lambda) uses another ABI.
+alignas(64) constexpr uint16_t kPairIndex[2 * kPanel] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 8, 24, 9, 25, 10, 26, 11, 27,
+    4, 20, 5, 21, 6, 22, 7, 23, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// (x[k], x[k + 1]) as one 32-bit word broadcast to every lane; x[k + 1] = 0 past the end.
+SPECDEC_BF16DOT inline __m512bh broadcast_pair(const uint16_t* x, int64_t k, int64_t K) {
+  uint32_t v = x[k];
+  if (k + 1 < K) v |= static_cast<uint32_t>(x[k + 1]) << 16;
+  return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(v));
+}
+
+// Rows 0 .. MR - 1 of x (bf16, [MR, K]) times one panel; two accumulator chains per row over
+// alternate k pairs (see the header: the order is the same for every MR).
+template <int MR, bool PREFETCH>
+SPECDEC_BF16DOT void micro_dot(const uint16_t* x, int64_t K, const uint16_t* panel, float* out,
+                               int64_t ldo, int64_t n_valid) {
+  const __m512i idx = _mm512_load_si512(kPairIndex);
+  __m512 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {
+      const uint16_t* row = panel + (k + 2 * c) * kPanel;
+      if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel), _MM_HINT_T0);
+      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(row));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        uint32_t v;
+        std::memcpy(&v, x + m * K + k + 2 * c, sizeof(v));
+        acc[m][c] = _mm512_dpbf16_ps(acc[m][c], w, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(v)));
+      }
+    }
+  }
+  // The last one to three rows: a pair, then a single row whose partner is zero (a masked
+  // load: the bytes after the panel may not exist), on the chain the pair order gives them.
+  for (int c = 0; k < K; k += 2, ++c) {
+    const __mmask32 keep = k + 1 < K ? 0xFFFFFFFFu : 0x0000FFFFu;
+    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_maskz_loadu_epi16(keep, panel + k * kPanel));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], w, broadcast_pair(x + m * K, k, K));
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n_valid) - 1u);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+    _mm512_mask_storeu_ps(out + m * ldo, valid, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+template <int MR>
+SPECDEC_BF16DOT void group_dot(bool first, const uint16_t* x, int64_t K, const uint16_t* panel,
+                               float* out, int64_t ldo, int64_t n_valid) {
+  if (first) micro_dot<MR, true>(x, K, panel, out, ldo, n_valid);
+  else micro_dot<MR, false>(x, K, panel, out, ldo, n_valid);
+}
+
+// One panel for all M rows, kMaxRowsDot at a time (the first block streams it from memory).
+SPECDEC_BF16DOT void panel_all_rows_dot(const uint16_t* x, int64_t M, int64_t K,
+                                        const uint16_t* panel, float* out, int64_t ldo,
+                                        int64_t n_valid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsDot) {
+    const bool first = m0 == 0;
+    const uint16_t* xm = x + m0 * K;
+    float* om = out + m0 * ldo;
+    switch (std::min<int64_t>(kMaxRowsDot, M - m0)) {
+      case 1: group_dot<1>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 2: group_dot<2>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 3: group_dot<3>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 4: group_dot<4>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 5: group_dot<5>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 6: group_dot<6>(first, xm, K, panel, om, ldo, n_valid); break;
+      case 7: group_dot<7>(first, xm, K, panel, om, ldo, n_valid); break;
+      default: group_dot<8>(first, xm, K, panel, om, ldo, n_valid); break;
+    }
+  }
+}
+
+SPECDEC_BF16DOT void dot_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w,
+                                int64_t P, float* out, int64_t N) {
+  at::parallel_for(0, P, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_all_rows_dot(x, M, K, w + p * K * kPanel, out + p * kPanel, N,
+                         std::min<int64_t>(kPanel, N - p * kPanel));
+  });
+}
+
+bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
 }  // namespace
 
 // x: [M, K] float32; packed: [ceil(N/16), K, 16] bfloat16 (see the packing order above);
@@ -145,15 +258,38 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   return out;
 }
 
+// x: [M, K] bfloat16 through the AVX512-BF16 path (see the header); returns [M, N] float32.
+torch::Tensor packed_bf16_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  TORCH_CHECK(cpu_has_bf16_dot(), "this CPU has no AVX512-BF16 (bf16_dot=1 needs avx512_bf16, avx512bw, avx512vl)");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be 2-D bfloat16 [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed must be bfloat16");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "out_features does not match the number of panels");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  dot_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+             reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0),
+             out.data_ptr<float>(), N);
+  return out;
+}
+
 // The whole layer in one call from Python (each Python-level op costs ~10-20 us, as much as
 // reading a small weight): x in float32 or bfloat16 ([M, K]), the optional float32 bias added
 // in float32, the result rounded to bfloat16 when asked, exactly as x.float() @ W.T + bias
-// followed by .to(torch.bfloat16) rounds.
+// followed by .to(torch.bfloat16) rounds. bf16_dot: -1 takes the AVX512-BF16 path for bf16 x on
+// CPUs that have it, 0 never, 1 always (bf16 x only).
 torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                                  c10::optional<torch::Tensor> bias, bool out_bf16) {
+                                  c10::optional<torch::Tensor> bias, bool out_bf16, int64_t bf16_dot) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
-  auto out = packed_bf16_linear(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32),
-                                packed, N);
+  TORCH_CHECK(bf16_dot >= -1 && bf16_dot <= 1, "bf16_dot must be -1, 0 or 1");
+  TORCH_CHECK(bf16_dot != 1 || x.scalar_type() == torch::kBFloat16, "bf16_dot=1 needs bfloat16 x");
+  const bool dot = bf16_dot == 1 || (bf16_dot == -1 && x.scalar_type() == torch::kBFloat16 && cpu_has_bf16_dot());
+  auto out = dot ? packed_bf16_dot_linear(x, packed, N)
+                 : packed_bf16_linear(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32), packed, N);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be float32 [out_features]");
@@ -161,6 +297,8 @@ torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t
   }
   return out_bf16 ? out.to(torch::kBFloat16) : out;
 }
+
+bool packed_has_bf16_dot() { return cpu_has_bf16_dot(); }
 
 // Reads every byte of a contiguous tensor with the kernel's access pattern (32-byte loads,
 // the same prefetch distance) and returns a checksum: the read bandwidth a decode step can
@@ -216,7 +354,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
   m.def("packed_linear_layer", &packed_linear_layer,
-        "packed_bf16_linear + optional float32 bias + optional rounding to bfloat16");
+        "packed_bf16_linear (or its AVX512-BF16 path) + optional float32 bias + optional rounding to bfloat16");
+  m.def("packed_has_bf16_dot", &packed_has_bf16_dot,
+        "whether the packed bf16 kernel can take its AVX512-BF16 path here");
   m.def("q4_linear_layer", &q4_linear_layer,
         "activations x packed 4-bit weights, int8 activations per group (cpu_quantized.cpp)");
   m.def("int8_linear_layer", &int8_linear_layer,

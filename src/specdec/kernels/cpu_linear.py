@@ -8,6 +8,11 @@ activations with it through a small C++ kernel built on first use; :func:`packed
 is the pure-torch specification (unpack, float32 matmul). When the kernel cannot be built
 (no AVX2/FMA/F16C, no compiler, ``SPECDEC_DISABLE_CPU_KERNEL=1``) :func:`load_kernel` returns ``None``
 and models keep ordinary ``nn.Linear`` layers. Nothing is compiled at import time.
+
+On CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) bf16 activations take the kernel's
+``vdpbf16ps`` path (see cpu_linear.cpp): the same packed weights, float32 sums in another fixed
+order (so other last bits than the FMA path, still bitwise independent of the row count), and
+multi-row passes at about the cost of one. ``SPECDEC_DISABLE_BF16_DOT=1`` keeps the FMA path.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "packed_linear_reference",
     "load_kernel",
     "kernel_available",
+    "bf16_dot_available",
 ]
 
 PANEL = 16
@@ -119,15 +125,34 @@ def kernel_available() -> bool:
     return load_kernel() is not None
 
 
+def bf16_dot_available() -> bool:
+    """Whether bf16 activations take the kernel's AVX512-BF16 path on this machine."""
+    kernel = load_kernel()
+    return kernel is not None and _bf16_dot_default() == -1 and kernel.packed_has_bf16_dot()
+
+
+@functools.cache
+def _bf16_dot_default() -> int:
+    """The kernel's ``bf16_dot`` argument: -1 (by the CPU) unless the environment disables it."""
+    return 0 if os.environ.get("SPECDEC_DISABLE_BF16_DOT") else -1
+
+
 def packed_linear(
     x: torch.Tensor,  # [rows, in_features]
     packed: torch.Tensor,  # [panels, in_features, 16] bfloat16
     out_features: int,
     bias: torch.Tensor | None = None,  # [out_features] float32
     out_dtype: torch.dtype = torch.float32,
+    bf16_dot: int | None = None,
 ) -> torch.Tensor:  # [rows, out_features] out_dtype
     """``x @ W.T (+ bias)`` in float32, rounded to ``out_dtype``, through the kernel (one call
-    from Python: bias and rounding happen in C++) or the reference when it is unavailable."""
+    from Python: bias and rounding happen in C++) or the reference when it is unavailable.
+
+    ``bf16_dot``: None follows the machine (the AVX512-BF16 path for bf16 ``x`` where the CPU
+    has it, unless ``SPECDEC_DISABLE_BF16_DOT`` is set), 0 forces the FMA path, 1 the AVX512-BF16
+    one (bf16 ``x``; an error on CPUs without it)."""
+    if bf16_dot not in (None, 0, 1):
+        raise ValueError(f"bf16_dot must be None, 0 or 1, got {bf16_dot!r}")
     kernel = load_kernel()
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
         out = packed_linear_reference(x, packed, out_features)
@@ -135,6 +160,7 @@ def packed_linear(
         return out.to(out_dtype)
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
+    mode = _bf16_dot_default() if bf16_dot is None else bf16_dot
     return kernel.packed_linear_layer(
-        x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16
+        x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, mode
     )
