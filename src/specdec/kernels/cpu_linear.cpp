@@ -229,6 +229,16 @@ bool cpu_has_bf16_dot() {
   return has;
 }
 
+// What both paths need of the packed weight: [ceil(N / 16), K, 16] bf16 matching x's K.
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed must be bfloat16");
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "out_features does not match the number of panels");
+}
+
 }  // namespace
 
 // x: [M, K] float32; packed: [ceil(N/16), K, 16] bfloat16 (see the packing order above);
@@ -236,12 +246,7 @@ bool cpu_has_bf16_dot() {
 torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed must be bfloat16");
-  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
-              "out_features does not match the number of panels");
+  check_packed(x, packed, N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   auto out = torch::empty({M, N}, x.options());
@@ -262,12 +267,7 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 torch::Tensor packed_bf16_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
   TORCH_CHECK(cpu_has_bf16_dot(), "this CPU has no AVX512-BF16 (bf16_dot=1 needs avx512_bf16, avx512bw, avx512vl)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be 2-D bfloat16 [rows, in_features]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed must be bfloat16");
-  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
-  TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
-              "out_features does not match the number of panels");
+  check_packed(x, packed, N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
