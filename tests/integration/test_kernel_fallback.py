@@ -58,6 +58,9 @@ def test_a_failing_kernel_build_warns_and_falls_back(stories_path, torch_referen
         model, _, _ = load_model(stories_path, dtype="bfloat16")
     assert _packed_layers(model) == 0
     assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)
+    packed = cpu_linear.pack_weight(torch.randn(16, 8).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16_dot=1 needs the CPU kernel"):  # not the reference
+        cpu_linear.packed_linear(torch.randn(1, 8).to(torch.bfloat16), packed, 16, bf16_dot=1)
     expected, tokenizer = torch_reference
     assert _greedy(model, tokenizer) == expected
 

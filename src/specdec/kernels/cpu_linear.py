@@ -154,6 +154,8 @@ def packed_linear(
     if bf16_dot not in (None, 0, 1):
         raise ValueError(f"bf16_dot must be None, 0 or 1, got {bf16_dot!r}")
     kernel = load_kernel()
+    if kernel is None and bf16_dot == 1:
+        raise RuntimeError("bf16_dot=1 needs the CPU kernel, which is unavailable here")
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
         out = packed_linear_reference(x, packed, out_features)
         out = out if bias is None else out + bias
