@@ -192,3 +192,48 @@ def test_two_threads_give_the_bits_of_one(bf16_dot):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("module", ["cpu_int8", "cpu_q4"])
+@pytest.mark.parametrize("disabled", [False, True])
+def test_disable_avx512_asks_the_quantized_kernels_for_avx2(monkeypatch, module, disabled):
+    """``SPECDEC_DISABLE_AVX512`` (how an AVX2-only CPU decodes, reproduced on an AVX-512 one)
+    reaches the int8 and 4-bit kernels as ``use_vnni=0``; unset, they choose by the CPU (-1).
+    Every path gives the same bits, so only the argument the kernel receives can tell."""
+    import importlib
+
+    mod = importlib.import_module(f"specdec.kernels.{module}")
+    seen = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: seen.append(args[-1]) or torch.zeros(1, 16)
+
+    monkeypatch.setattr(mod, "load_kernel", lambda: Recorder())
+    monkeypatch.setattr(mod, "avx512_disabled", lambda: disabled)
+    fn = mod.int8_linear if module == "cpu_int8" else mod.q4_linear
+    args = (
+        (torch.zeros(1, 32), torch.zeros(1), torch.ones(16), 16)
+        if module == "cpu_int8"
+        else (torch.zeros(1, 32), torch.zeros(1), 16)
+    )
+    fn(*args)
+    fn(*args, use_vnni=2)
+    assert seen == [0 if disabled else -1, 2]
+
+
+def test_disable_avx512_keeps_bf16_on_the_fma_path(monkeypatch):
+    """The environment variable, read once per process, turns the bf16 default to the FMA path."""
+    from specdec.kernels import cpu_linear
+
+    for fn in (cpu_linear.avx512_disabled, cpu_linear._bf16_dot_default):
+        fn.cache_clear()
+    monkeypatch.setenv("SPECDEC_DISABLE_AVX512", "1")
+    try:
+        assert cpu_linear.avx512_disabled() and cpu_linear._bf16_dot_default() == 0
+        assert not cpu_linear.bf16_dot_available()
+    finally:
+        monkeypatch.delenv("SPECDEC_DISABLE_AVX512")
+        for fn in (cpu_linear.avx512_disabled, cpu_linear._bf16_dot_default):
+            fn.cache_clear()
+    assert not cpu_linear.avx512_disabled() and cpu_linear._bf16_dot_default() == -1

@@ -12,7 +12,9 @@ and models keep ordinary ``nn.Linear`` layers. Nothing is compiled at import tim
 On CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later) bf16 activations take the kernel's
 ``vdpbf16ps`` path (see cpu_linear.cpp): the same packed weights, float32 sums in another fixed
 order (so other last bits than the FMA path, still bitwise independent of the row count), and
-multi-row passes at about the cost of one. ``SPECDEC_DISABLE_BF16_DOT=1`` keeps the FMA path.
+multi-row passes at about the cost of one. ``SPECDEC_DISABLE_BF16_DOT=1`` keeps the FMA path;
+``SPECDEC_DISABLE_AVX512=1`` keeps every kernel (bf16, int8, 4-bit) on its AVX2 path, as on a CPU
+without AVX-512 (read once per process).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "packed_linear_reference",
     "load_kernel",
     "kernel_available",
+    "avx512_disabled",
     "bf16_dot_available",
 ]
 
@@ -132,9 +135,16 @@ def bf16_dot_available() -> bool:
 
 
 @functools.cache
+def avx512_disabled() -> bool:
+    """Whether ``SPECDEC_DISABLE_AVX512`` asks every kernel for its AVX2 path: how a CPU without
+    AVX-512 (this project's AVX2-only machines) decodes, reproducible on one that has it."""
+    return bool(os.environ.get("SPECDEC_DISABLE_AVX512"))
+
+
+@functools.cache
 def _bf16_dot_default() -> int:
     """The kernel's ``bf16_dot`` argument: -1 (by the CPU) unless the environment disables it."""
-    return 0 if os.environ.get("SPECDEC_DISABLE_BF16_DOT") else -1
+    return 0 if os.environ.get("SPECDEC_DISABLE_BF16_DOT") or avx512_disabled() else -1
 
 
 def packed_linear(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.cpu_linear import load_kernel
+from specdec.kernels.cpu_linear import avx512_disabled, load_kernel
 from specdec.kernels.int8_activations import GROUP, quantize_activations
 
 __all__ = [
@@ -165,10 +165,10 @@ def q4_linear(
     out_features: int,
     bias: torch.Tensor | None = None,  # [out_features] float32
     out_dtype: torch.dtype = torch.float32,
-    use_vnni: int = -1,
+    use_vnni: int | None = None,
 ) -> torch.Tensor:  # [rows, out_features] out_dtype
-    """``x @ W.T (+ bias)`` over the 4-bit weights: the kernel (``use_vnni``: -1 by the CPU, 0
-    AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI on panel pairs; all give the
+    """``x @ W.T (+ bias)`` over the 4-bit weights: the kernel (``use_vnni``: None or -1 by the CPU
+    (None: AVX2 when ``SPECDEC_DISABLE_AVX512`` is set), 0 AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI on panel pairs; all give the
     same bits) or the reference where it is unavailable."""
     kernel = load_kernel()
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
@@ -176,6 +176,8 @@ def q4_linear(
         return (out if bias is None else out + bias).to(out_dtype)
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
+    if use_vnni is None:
+        use_vnni = 0 if avx512_disabled() else -1
     return kernel.q4_linear_layer(
         x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, use_vnni
     )
