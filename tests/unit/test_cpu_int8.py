@@ -148,3 +148,18 @@ def test_quantize_linears_replaces_every_linear_and_keeps_outputs_close():
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
     assert model[0].dequantized().shape == (128, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_call_rounds_like_the_torch_ops(with_bias):
+    """bf16 activations, bias and bf16 rounding handled inside the one call: bitwise what
+    widening x to float32, the float32 product, ``+ bias`` and ``.to(bfloat16)`` give."""
+    out_features = 70
+    packed, scale = pack_int8(*quantize_int8(_weight(out_features, 200, 4)))
+    bias = torch.randn(out_features) * 3 if with_bias else None
+    x = torch.randn(6, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    product = int8_linear(x.float(), packed, scale, out_features)  # float32 in, float32 out
+    want32 = product if bias is None else product + bias
+    assert torch.equal(int8_linear(x, packed, scale, out_features, bias), want32)
+    assert torch.equal(int8_linear(x, packed, scale, out_features, bias, torch.bfloat16), want32.to(torch.bfloat16))

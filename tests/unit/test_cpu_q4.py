@@ -172,3 +172,18 @@ def test_quantize_linears_q4_replaces_every_linear_and_keeps_outputs_close():
 def test_quantize_linears_rejects_an_unknown_format():
     with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'q4', got 'q3'"):
         quantize_linears(nn.Sequential(nn.Linear(4, 4)), "q3")
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_one_call_rounds_like_the_torch_ops(with_bias):
+    """bf16 activations, bias and bf16 rounding handled inside the one call: bitwise what
+    widening x to float32, the float32 product, ``+ bias`` and ``.to(bfloat16)`` give."""
+    out_features = 70
+    packed = pack_q4(*quantize_q4(_weight(out_features, 200, 4)))
+    bias = torch.randn(out_features) * 3 if with_bias else None
+    x = torch.randn(6, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    product = q4_linear(x.float(), packed, out_features)  # float32 in, float32 out
+    want32 = product if bias is None else product + bias
+    assert torch.equal(q4_linear(x, packed, out_features, bias), want32)
+    assert torch.equal(q4_linear(x, packed, out_features, bias, torch.bfloat16), want32.to(torch.bfloat16))
