@@ -83,9 +83,10 @@ def int8_linear(
     out_dtype: torch.dtype = torch.float32,
     use_vnni: int | None = None,
 ) -> torch.Tensor:  # [rows, out_features] out_dtype
-    """``(x @ (q * scale).T + bias)`` rounded to ``out_dtype``: the kernel (``use_vnni``: None or -1 by
-    the CPU (None: AVX2 when ``SPECDEC_DISABLE_AVX512`` is set), 0 AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI on panel pairs; all
-    give the same bits) or the reference where it is unavailable."""
+    """``(x @ (q * scale).T + bias)`` rounded to ``out_dtype``: the kernel or, where it is
+    unavailable, the reference. ``use_vnni``: None by the CPU unless ``SPECDEC_DISABLE_AVX512``
+    asks for AVX2, -1 by the CPU, 0 AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI
+    on panel pairs; all give the same bits."""
     kernel = load_kernel()
     if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
         out = int8_linear_reference(x, packed, scale, out_features)
