@@ -210,7 +210,7 @@ def test_disable_avx512_asks_the_quantized_kernels_for_avx2(monkeypatch, module,
             return lambda *args: seen.append(args[-1]) or torch.zeros(1, 16)
 
     monkeypatch.setattr(mod, "load_kernel", lambda: Recorder())
-    monkeypatch.setattr(mod, "avx512_disabled", lambda: disabled)
+    monkeypatch.setattr(importlib.import_module("specdec.kernels.cpu_linear"), "avx512_disabled", lambda: disabled)
     fn = mod.int8_linear if module == "cpu_int8" else mod.q4_linear
     args = (
         (torch.zeros(1, 32), torch.zeros(1), torch.ones(16), 16)
@@ -226,14 +226,16 @@ def test_disable_avx512_keeps_bf16_on_the_fma_path(monkeypatch):
     """The environment variable, read once per process, turns the bf16 default to the FMA path."""
     from specdec.kernels import cpu_linear
 
-    for fn in (cpu_linear.avx512_disabled, cpu_linear._bf16_dot_default):
+    for fn in (cpu_linear.avx512_disabled, cpu_linear.bf16_dot_mode):
         fn.cache_clear()
     monkeypatch.setenv("SPECDEC_DISABLE_AVX512", "1")
     try:
-        assert cpu_linear.avx512_disabled() and cpu_linear._bf16_dot_default() == 0
+        assert cpu_linear.avx512_disabled() and cpu_linear.bf16_dot_mode() == 0
+        assert cpu_linear.vnni_mode() == 0
         assert not cpu_linear.bf16_dot_available()
     finally:
         monkeypatch.delenv("SPECDEC_DISABLE_AVX512")
-        for fn in (cpu_linear.avx512_disabled, cpu_linear._bf16_dot_default):
+        for fn in (cpu_linear.avx512_disabled, cpu_linear.bf16_dot_mode):
             fn.cache_clear()
-    assert not cpu_linear.avx512_disabled() and cpu_linear._bf16_dot_default() == -1
+    assert not cpu_linear.avx512_disabled() and cpu_linear.bf16_dot_mode() == -1
+    assert cpu_linear.vnni_mode() == -1

@@ -371,6 +371,18 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
                                 int64_t use_vnni);
 bool quantized_has_vnni();
 
+// cpu_decoder.cpp
+std::vector<torch::Tensor> decoder_layers(
+    torch::Tensor h, const std::vector<torch::Tensor>& norms, double eps,
+    const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& packed,
+    const std::vector<c10::optional<torch::Tensor>>& scales,
+    const std::vector<int64_t>& out_features,
+    const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& modes,
+    torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, torch::Tensor cache, torch::Tensor slot_mapping, torch::Tensor row_seq,
+    torch::Tensor row_index, torch::Tensor kv_gather, torch::Tensor kv_lens,
+    c10::optional<torch::Tensor> mask, double sm_scale, const std::vector<int64_t>& wanted);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm (see cpu_layer_ops.cpp)");
   m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
@@ -387,6 +399,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "activations x packed int8 weights, int8 activations per group (cpu_quantized.cpp)");
   m.def("quantized_has_vnni", &quantized_has_vnni,
         "whether the int8 / q4 kernels can use AVX512-VNNI here");
+  m.def("decoder_layers", &decoder_layers,
+        "every decoder layer of a bf16 model in one call (cpu_decoder.cpp)");
   m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
   m.def("packed_bf16_linear", &packed_bf16_linear,
         "float32 activations x packed bf16 weights (AVX2/FMA)");

@@ -37,11 +37,15 @@ __all__ = [
     "kernel_available",
     "avx512_disabled",
     "bf16_dot_available",
+    "bf16_dot_mode",
+    "vnni_mode",
 ]
 
 PANEL = 16
 # One extension: the bindings live in cpu_linear.cpp.
-_SOURCES = ("cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp")
+_SOURCES = (
+    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_decoder.cpp"
+)
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -131,7 +135,7 @@ def kernel_available() -> bool:
 def bf16_dot_available() -> bool:
     """Whether bf16 activations take the kernel's AVX512-BF16 path on this machine."""
     kernel = load_kernel()
-    return kernel is not None and _bf16_dot_default() == -1 and kernel.packed_has_bf16_dot()
+    return kernel is not None and bf16_dot_mode() == -1 and kernel.packed_has_bf16_dot()
 
 
 @functools.cache
@@ -142,9 +146,15 @@ def avx512_disabled() -> bool:
 
 
 @functools.cache
-def _bf16_dot_default() -> int:
+def bf16_dot_mode() -> int:
     """The kernel's ``bf16_dot`` argument: -1 (by the CPU) unless the environment disables it."""
     return 0 if os.environ.get("SPECDEC_DISABLE_BF16_DOT") or avx512_disabled() else -1
+
+
+def vnni_mode() -> int:
+    """The int8 / 4-bit kernels' ``use_vnni`` argument: -1 (by the CPU), 0 under
+    ``SPECDEC_DISABLE_AVX512``."""
+    return 0 if avx512_disabled() else -1
 
 
 def packed_linear(
@@ -172,7 +182,7 @@ def packed_linear(
         return out.to(out_dtype)
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
-    mode = _bf16_dot_default() if bf16_dot is None else bf16_dot
+    mode = bf16_dot_mode() if bf16_dot is None else bf16_dot
     return kernel.packed_linear_layer(
         x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, mode
     )

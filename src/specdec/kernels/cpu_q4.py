@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.cpu_linear import avx512_disabled, load_kernel
+from specdec.kernels.cpu_linear import load_kernel, vnni_mode
 from specdec.kernels.int8_activations import GROUP, quantize_activations
 
 __all__ = [
@@ -178,7 +178,7 @@ def q4_linear(
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     if use_vnni is None:
-        use_vnni = 0 if avx512_disabled() else -1
+        use_vnni = vnni_mode()
     return kernel.q4_linear_layer(
         x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, use_vnni
     )

@@ -168,6 +168,22 @@ def _fused_ops(embeds: torch.Tensor) -> object | None:
     return load_kernel()
 
 
+def _decoder_stack(model: LlamaModel, ops: object | None, kv, backend, plan) -> object | None:
+    """The layers' :class:`~specdec.models.cpu_decoder.StackArguments` when this forward can run
+    every layer in one kernel call (the fused bf16 path, the CPU attention kernel, kernel-shaped
+    linears), else None. The arguments are kept on the model between forwards (a cache of what
+    its layers hold, checked against them at every forward)."""
+    if ops is None:
+        return None
+    from specdec.models import cpu_decoder
+
+    if not cpu_decoder.applies(kv, backend, plan):
+        return None
+    args = cpu_decoder.stack_arguments(model.layers, model.__dict__.get("_decoder_stack"))
+    model.__dict__["_decoder_stack"] = args
+    return args if args.fits else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -317,6 +333,11 @@ class LlamaModel(nn.Module):
             raise ValueError(f"layers must be a non-empty tuple of ints in 0..{n}, got {layers!r}")
         cos, sin = self.rope(positions)
         ops = _fused_ops(embeds)
+        stack = _decoder_stack(self, ops, kv, backend, plan)
+        if stack is not None:  # every layer in one kernel call, bitwise the loops below
+            from specdec.models.cpu_decoder import run_stack
+
+            return run_stack(ops, self, stack, embeds, cos, sin, kv, plan, layers)
         if ops is not None:
             states = self._fused_layer_states(ops, embeds, cos, sin, kv, backend, plan, set(layers))
         else:
