@@ -29,7 +29,7 @@
 // 4f + t (the unpacked q4 order). maddubs needs an unsigned operand: |q| times x with q's
 // sign (each pair at most 2 x 127 x 127 = 32258, no saturation), madd to int32 per vector.
 // Per group and row: acc = fma(float(dot), dx, acc); the result is acc * s[n].
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_linear.cpp)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
