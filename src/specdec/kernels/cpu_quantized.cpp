@@ -39,6 +39,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -53,22 +54,29 @@ constexpr int kMaxRowsAvx2 = 4;
 constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
 
-// One row: x [K] float32 -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x),
-// xqs [G] (128 x the sums of xq: what the int8 kernel's unsigned weights add to a dot).
-void quantize_row(const float* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs, int32_t* xqs) {
+inline float as_float(float v) { return v; }
+inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact
+
+// One row: x [K] float32 or bf16 (read as its exact float32 value: the same bits as quantizing
+// x.float()) -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x), xqs [G] (128 x
+// the sums of xq: what the int8 kernel's unsigned weights add to a dot).
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs, int32_t* xqs) {
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * kGroup, n = std::min<int64_t>(kGroup, K - k0);
+    float xg[kGroup];
     float amax = 0.f, sum = 0.f;
     for (int64_t t = 0; t < n; ++t) {
-      amax = std::max(amax, std::fabs(x[k0 + t]));
-      sum += x[k0 + t];  // sequential: the same float32 sum for every call
+      xg[t] = as_float(x[k0 + t]);
+      amax = std::max(amax, std::fabs(xg[t]));
+      sum += xg[t];  // sequential: the same float32 sum for every call
     }
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     dx[g] = amax / 127.f;
     xs[g] = sum;
     int32_t qsum = 0;
     for (int64_t t = 0; t < kGroup; ++t) {
-      xq[k0 + t] = t < n ? static_cast<int8_t>(std::nearbyint(x[k0 + t] * inv)) : 0;
+      xq[k0 + t] = t < n ? static_cast<int8_t>(std::nearbyint(xg[t] * inv)) : 0;
       qsum += xq[k0 + t];
     }
     xqs[g] = 128 * qsum;
@@ -470,25 +478,32 @@ bool cpu_has_vnni() {
   return has;
 }
 
-// The activations of a call, quantized row by row (see quantize_row).
+// The activations of a call, quantized row by row (see quantize_row), in one heap block (one
+// allocation instead of four tensors: each ATen call costs a few microseconds, as much as a
+// small layer's arithmetic at one row).
 struct QuantizedRows {
-  torch::Tensor xq, dx, xs, xqs;
+  std::vector<int32_t> block;  // dx, xs (float32 bits), xqs: 3 [M, G]; then xq [M, G * 32] int8
   Rows rows;
 };
 
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {
-  const int64_t M = x.size(0), K = x.size(1);
-  QuantizedRows q{torch::empty({M, G * kGroup}, x.options().dtype(torch::kInt8)),
-                  torch::empty({M, G}, x.options()), torch::empty({M, G}, x.options()),
-                  torch::empty({M, G}, x.options().dtype(torch::kInt32)), {}};
-  const float* xp = x.data_ptr<float>();
+template <typename T>
+QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), n = M * G;
+  QuantizedRows q{std::vector<int32_t>(3 * n + n * kGroup / 4), {}};
+  float* dx = reinterpret_cast<float*>(q.block.data());
+  float* xs = dx + n;
+  int32_t* xqs = q.block.data() + 2 * n;
+  int8_t* xq = reinterpret_cast<int8_t*>(q.block.data() + 3 * n);
+  const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, G, q.xq.data_ptr<int8_t>() + m * G * kGroup,
-                 q.dx.data_ptr<float>() + m * G, q.xs.data_ptr<float>() + m * G,
-                 q.xqs.data_ptr<int32_t>() + m * G);
-  q.rows = Rows{q.xq.data_ptr<int8_t>(), q.dx.data_ptr<float>(), q.xs.data_ptr<float>(),
-                q.xqs.data_ptr<int32_t>(), G};
+    quantize_row(xp + m * K, K, G, xq + m * G * kGroup, dx + m * G, xs + m * G, xqs + m * G);
+  q.rows = Rows{xq, dx, xs, xqs, G};
   return q;
+}
+
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {  // x: float32 or bf16
+  return x.scalar_type() == torch::kBFloat16 ? quantize_rows_of<at::BFloat16>(x, G)
+                                             : quantize_rows_of<float>(x, G);
 }
 
 // Whether a VNNI pass takes two panels at a time (use_vnni 2: always, 1: never, -1: where it
@@ -511,7 +526,8 @@ bool pairs_pay(int64_t use_vnni, int64_t M, int64_t G) {
   return cpu_is_intel() || G >= kPairMinGroups || M >= kPairMinRows;
 }
 
-// Shared argument checks; returns x as contiguous float32 and whether to use VNNI.
+// Shared argument checks; returns x contiguous (float32 or bf16, other dtypes as float32) and
+// whether to use VNNI.
 std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& packed,
                                           int64_t block, int64_t N, int64_t use_vnni) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
@@ -524,16 +540,47 @@ std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& 
   TORCH_CHECK(use_vnni >= -1 && use_vnni <= 2, "use_vnni must be -1, 0, 1 or 2");
   TORCH_CHECK(use_vnni <= 0 || cpu_has_vnni(), "use_vnni=", use_vnni, " but this CPU has no AVX512-VNNI");
   const bool vnni = use_vnni >= 1 || (use_vnni == -1 && cpu_has_vnni());
-  return {(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32)).contiguous(), vnni};
+  const bool direct = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16;
+  return {(direct ? x : x.to(torch::kFloat32)).contiguous(), vnni};
 }
 
-torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, bool out_bf16) {
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == out.size(1),
-                "bias must be float32 [out_features]");
-    out.add_(*bias);
+// dst[i] = bf16(src[i] + bias[i]) (bias may be null), rounded to nearest even as ATen's
+// float32 -> bfloat16 conversion rounds (NaN: a quiet NaN): the bits of out.add_(bias).to(bf16).
+void add_round_bf16(const float* src, const float* bias, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+  const __m256i quiet_nan = _mm256_set1_epi32(0x7FC0);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(src + i);
+    if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + i));
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, half)), 16);
+    r = _mm256_blendv_epi8(r, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
   }
-  return out_bf16 ? out.to(torch::kBFloat16) : out;
+  for (; i < n; ++i) {
+    const float v = bias != nullptr ? src[i] + bias[i] : src[i];
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    dst[i] = std::isnan(v) ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  }
+}
+
+// The float32 result plus the optional bias, in float32 or rounded to bfloat16 (one pass, no
+// ATen calls but the output's allocation).
+torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, bool out_bf16) {
+  const int64_t M = out.size(0), N = out.size(1);
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+                "bias must be contiguous float32 [out_features]");
+  if (!out_bf16) return bias.has_value() ? out.add_(*bias) : out;
+  auto rounded = torch::empty({M, N}, out.options().dtype(torch::kBFloat16));
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
+  for (int64_t m = 0; m < M; ++m) add_round_bf16(out.data_ptr<float>() + m * N, bp, dst + m * N, N);
+  return rounded;
 }
 
 }  // namespace
@@ -549,7 +596,7 @@ torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
   const bool use_pairs = pairs_pay(use_vnni, M, G);
   const QuantizedRows q = quantize_rows(xf, G);
-  auto out = torch::empty({M, N}, xf.options());
+  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
@@ -577,7 +624,7 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
   const bool use_pairs = pairs_pay(use_vnni, M, G);
   const QuantizedRows q = quantize_rows(xf, G);
-  auto out = torch::empty({M, N}, xf.options());
+  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
   const int8_t* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
