@@ -37,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -482,18 +483,20 @@ bool cpu_has_vnni() {
 // allocation instead of four tensors: each ATen call costs a few microseconds, as much as a
 // small layer's arithmetic at one row).
 struct QuantizedRows {
-  std::vector<int32_t> block;  // dx, xs (float32 bits), xqs: 3 [M, G]; then xq [M, G * 32] int8
+  // dx, xs (float32 bits), xqs: 3 [M, G]; then xq [M, G * 32] int8. Not zeroed: quantize_row
+  // writes every entry (a prefill's block is megabytes).
+  std::unique_ptr<int32_t[]> block;
   Rows rows;
 };
 
 template <typename T>
 QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1), n = M * G;
-  QuantizedRows q{std::vector<int32_t>(3 * n + n * kGroup / 4), {}};
-  float* dx = reinterpret_cast<float*>(q.block.data());
+  QuantizedRows q{std::unique_ptr<int32_t[]>(new int32_t[3 * n + n * kGroup / 4]), {}};
+  float* dx = reinterpret_cast<float*>(q.block.get());
   float* xs = dx + n;
-  int32_t* xqs = q.block.data() + 2 * n;
-  int8_t* xq = reinterpret_cast<int8_t*>(q.block.data() + 3 * n);
+  int32_t* xqs = q.block.get() + 2 * n;
+  int8_t* xq = reinterpret_cast<int8_t*>(q.block.get() + 3 * n);
   const T* xp = x.data_ptr<T>();
   for (int64_t m = 0; m < M; ++m)
     quantize_row(xp + m * K, K, G, xq + m * G * kGroup, dx + m * G, xs + m * G, xqs + m * G);
