@@ -22,7 +22,11 @@ def pytest_configure(config):
     """Tests never touch the user's ``~/.cache/specdec``: converted models, packed weights and
     the CPU kernel's build go to a directory of this run (``SPECDEC_TEST_CACHE`` names one to
     reuse between runs instead). Set before collection, so every import sees it; subprocesses
-    (examples, the notebook, the wheel) inherit it."""
+    (examples, the notebook, the wheel) inherit it. Parallel workers (pytest-xdist) share the
+    controller's directory: they inherit its environment, so the kernel builds once and converted
+    models are reused (every cache write is a rename, so concurrent writers are safe)."""
+    if hasattr(config, "workerinput") and os.environ.get("SPECDEC_CACHE"):
+        return  # an xdist worker: the controller set SPECDEC_CACHE and removes it at the end
     root = os.environ.get("SPECDEC_TEST_CACHE")
     if not root:
         root = tempfile.mkdtemp(prefix="specdec-test-cache-")

@@ -116,7 +116,11 @@ def _build_and_load() -> object:
     for source, code in zip(sources, codes):
         copy = build_dir / source.name
         if not copy.is_file() or copy.read_bytes() != code:
-            copy.write_bytes(code)
+            # Written aside and renamed: a second process loading at the same moment (parallel
+            # test workers, two servers starting) never compiles a half-written copy.
+            tmp = build_dir / f".{source.name}.{os.getpid()}"
+            tmp.write_bytes(code)
+            os.replace(tmp, copy)
         stable.append(str(copy))
     return cpp_extension.load(
         name="specdec_cpu_kernels",
