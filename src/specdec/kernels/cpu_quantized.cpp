@@ -55,32 +55,71 @@ constexpr int kMaxRowsAvx2 = 4;
 constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
 
+// Independent accumulator chains per row for a micro-kernel of `rows` rows: enough chains in
+// all to cover vpdpbusd's latency (5 cycles at one per cycle), within the 32 zmm registers.
+constexpr int chains_for_rows(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact
 
-// One row: x [K] float32 or bf16 (read as its exact float32 value: the same bits as quantizing
-// x.float()) -> xq [G * 32] int8, dx [G] (activation scales), xs [G] (sums of x), xqs [G] (128 x
-// the sums of xq: what the int8 kernel's unsigned weights add to a dot).
+// 8 inputs as float32 (bf16 widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Lane 0 + 4, 1 + 5, 2 + 6, 3 + 7, then (0 + 2, 1 + 3), then 0 + 1: one fixed order.
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax8(__m256 v) {  // exact in any order
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One row: x [K] float32 or bf16 (read as its exact float32 value) -> xq [G * 32] int8, dx [G]
+// (activation scales), xs [G] (sums of x), xqs [G] (128 x the sums of xq: what the int8 kernel's
+// unsigned weights add to a dot). Per group of 32 (the last one zero-padded): amax = max |x|,
+// xq = round(x * (127 / amax)) half to even, dx = amax / 127, xs summed in one fixed order:
+// (x[0:8] + x[8:16]) + (x[16:24] + x[24:32]) lane-wise, then hsum8. A row's values depend on
+// that row alone, never on the call. Vectorised: a scalar loop here (a sequential float sum,
+// a rounding call per input) cost ~7 us per 1536-input row, as much as the dot products of a
+// small layer.
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs, int32_t* xqs) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * kGroup, n = std::min<int64_t>(kGroup, K - k0);
-    float xg[kGroup];
-    float amax = 0.f, sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) {
-      xg[t] = as_float(x[k0 + t]);
-      amax = std::max(amax, std::fabs(xg[t]));
-      sum += xg[t];  // sequential: the same float32 sum for every call
+    __m256 v[4];
+    if (n == kGroup) {
+      for (int i = 0; i < 4; ++i) v[i] = load8(x + k0 + 8 * i);
+    } else {
+      alignas(32) float padded[kGroup] = {};
+      for (int64_t t = 0; t < n; ++t) padded[t] = as_float(x[k0 + t]);
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(padded + 8 * i);
     }
+    const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = hmax8(amax8);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     dx[g] = amax / 127.f;
-    xs[g] = sum;
-    int32_t qsum = 0;
-    for (int64_t t = 0; t < kGroup; ++t) {
-      xq[k0 + t] = t < n ? static_cast<int8_t>(std::nearbyint(xg[t] * inv)) : 0;
-      qsum += xq[k0 + t];
-    }
-    xqs[g] = 128 * qsum;
+    xs[g] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));  // half to even
+    // packs interleave 128-bit lanes: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] q0[4:8] ..
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + k0), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+    const __m128i q2 = _mm_add_epi32(q4, _mm_unpackhi_epi64(q4, q4));
+    xqs[g] = 128 * _mm_cvtsi128_si32(_mm_add_epi32(q2, _mm_shuffle_epi32(q2, 1)));
   }
 }
 
@@ -272,9 +311,15 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
     const uint8_t* a = panel_a + g * kBlock;
     const uint8_t* b = panel_b + g * kBlock;
     if (PREFETCH) prefetch_pair(panel_a, panel_b, g, r.G, kBlock);
-    __m512i isum[MR];
+    // kChains independent vpdpbusd chains per row (j % kChains), added at the end: integer
+    // sums, so the same int32 dot in any order; with few rows one chain would wait on the
+    // instruction's latency (5 cycles) eight times per group.
+    constexpr int kChains = chains_for_rows(MR);
+    __m512i part[kChains][MR];
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
+    for (int c = 0; c < kChains; ++c)
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) part[c][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i w = unpack_nibbles_pair(a + 16 * j, b + 16 * j);
@@ -282,8 +327,15 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
       for (int m = 0; m < MR; ++m) {
         int32_t v;
         std::memcpy(&v, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, sizeof(v));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
+        part[j % kChains][m] = _mm512_dpbusd_epi32(part[j % kChains][m], w, _mm512_set1_epi32(v));
       }
+    }
+    __m512i isum[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      isum[m] = part[0][m];
+#pragma GCC unroll 8
+      for (int c = 1; c < kChains; ++c) isum[m] = _mm512_add_epi32(isum[m], part[c][m]);
     }
     const __m512 d = half_pair(a + 128, b + 128);
     const __m512 c = half_pair(a + 144, b + 144);
