@@ -400,6 +400,41 @@ def test_draft_vocabulary_changes_proposals_not_output(tiny_pair, temperature):
     assert proposer.head.linear.weight.shape[0] == len(subset)
 
 
+def test_greedy_drafts_from_the_vocabularys_columns_equal_those_from_full_rows(tiny_pair, monkeypatch):
+    """A greedy draft with a draft vocabulary argmaxes (and measures confidence) over that
+    vocabulary's columns only; it drafts what the full rows (-inf elsewhere) draft, chain ends
+    included, also where two of its tokens tie (the lower id wins on both paths)."""
+    target, draft = tiny_pair
+    vocab = target.config.vocab_size
+    subset = list(range(1, vocab, 3))
+    with torch.no_grad():  # ties: two draft-vocabulary tokens with the same LM-head row
+        draft.lm_head.weight[subset[9]] = draft.lm_head.weight[subset[2]]
+    prompts = _prompts(vocab, 4, seed=11)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+
+    def run():
+        proposer = DraftModel.from_model(draft, num_speculative_tokens=4, confidence_threshold=0.3, draft_vocab=subset)
+        drafted, ends = record_drafts(proposer), []
+        original = proposer.propose
+        proposer.propose = lambda ctx, original=original: _keep_ends(original(ctx), ends)
+        gen = Generator.from_components(target, proposer=proposer, policy=FixedPolicy(4))
+        out = [o.token_ids for o in gen.generate(prompts, params)]
+        return out, drafted, ends
+
+    fast = run()
+    full_rows = DraftModel._logits
+    monkeypatch.setattr(DraftModel, "_logits", lambda self, layout, ctx, greedy: full_rows(self, layout, ctx, greedy=False))
+    slow = run()
+    assert fast == slow
+    assert subset[2] in fast[1] and subset[9] not in fast[1]  # a tie was drafted, lower id
+    assert any(n < 4 for step in fast[2] for n in step)  # some chains ended by confidence
+
+
+def _keep_ends(proposal, ends: list):
+    ends.append(proposal.num_draft_tokens)
+    return proposal
+
+
 def test_draft_vocabulary_is_checked_before_loading():
     with pytest.raises(ValueError, match="draft_vocab must not repeat a token id"):
         DraftModel.from_pretrained("no-such-draft", draft_vocab=[1, 1])

@@ -9,6 +9,7 @@ weights: the KV pages, the attention plan and the backend arrive as arguments of
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -375,9 +376,10 @@ class LlamaModel(nn.Module):
         states[len(self.layers)] = h if delta is None else h + delta
         return states
 
-    def logits(self, hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept).
-        ``head`` replaces ``lm_head`` (a draft vocabulary, :mod:`specdec.models.sub_vocab`)."""
+        ``head`` replaces ``lm_head`` (a draft vocabulary, :mod:`specdec.models.sub_vocab`:
+        its module gives full rows, its ``sub_logits`` the vocabulary's columns only)."""
         out = (self.lm_head if head is None else head)(self.norm(hidden))
         return out if out.dtype == torch.float64 else out.float()
 
@@ -392,7 +394,7 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,  # [rows] int64; None = every row
         return_hidden: bool = False,
         hidden_layers: tuple[int, ...] | None = None,
-        head: nn.Module | None = None,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> ModelOutput:
         """Run the batch; logits only for ``logits_indices`` (prefill needs the last rows only).
 

@@ -88,9 +88,14 @@ class SubVocabHead(nn.Module):
         device = next(itertools.chain(self.linear.parameters(), self.linear.buffers())).device
         self.register_buffer("token_ids", ids.to(device), persistent=False)
 
+    def sub_logits(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, n]
+        """The draft vocabulary's logits, column j for ``token_ids[j]`` (ids ascending, so a
+        row's first maximum here is its first maximum over the full vocabulary)."""
+        sub = self.linear(x)
+        return sub if sub.dtype == torch.float64 else sub.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, vocab]
-        sub = self.linear(x)  # [rows, n]
-        sub = sub if sub.dtype == torch.float64 else sub.float()
+        sub = self.sub_logits(x)  # [rows, n]
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.token_ids, sub)
 
