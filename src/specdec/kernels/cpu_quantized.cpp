@@ -55,10 +55,6 @@ constexpr int kMaxRowsAvx2 = 4;
 constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
 
-// Independent accumulator chains per row for a micro-kernel of `rows` rows: enough chains in
-// all to cover vpdpbusd's latency (5 cycles at one per cycle), within the 32 zmm registers.
-constexpr int chains_for_rows(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
-
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact
 
@@ -311,15 +307,9 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
     const uint8_t* a = panel_a + g * kBlock;
     const uint8_t* b = panel_b + g * kBlock;
     if (PREFETCH) prefetch_pair(panel_a, panel_b, g, r.G, kBlock);
-    // kChains independent vpdpbusd chains per row (j % kChains), added at the end: integer
-    // sums, so the same int32 dot in any order; with few rows one chain would wait on the
-    // instruction's latency (5 cycles) eight times per group.
-    constexpr int kChains = chains_for_rows(MR);
-    __m512i part[kChains][MR];
+    __m512i isum[MR];
 #pragma GCC unroll 8
-    for (int c = 0; c < kChains; ++c)
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) part[c][m] = _mm512_setzero_si512();
+    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i w = unpack_nibbles_pair(a + 16 * j, b + 16 * j);
@@ -327,15 +317,8 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
       for (int m = 0; m < MR; ++m) {
         int32_t v;
         std::memcpy(&v, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, sizeof(v));
-        part[j % kChains][m] = _mm512_dpbusd_epi32(part[j % kChains][m], w, _mm512_set1_epi32(v));
+        isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
       }
-    }
-    __m512i isum[MR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      isum[m] = part[0][m];
-#pragma GCC unroll 8
-      for (int c = 1; c < kChains; ++c) isum[m] = _mm512_add_epi32(isum[m], part[c][m]);
     }
     const __m512 d = half_pair(a + 128, b + 128);
     const __m512 c = half_pair(a + 144, b + 144);
