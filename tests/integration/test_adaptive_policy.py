@@ -257,12 +257,15 @@ def test_a_fresh_generator_speculates_when_it_pays(tiny_pair):
 
 
 def test_a_fresh_generator_stops_where_speculation_cannot_pay(tiny_pair):
-    """Every row costs its full price (10 ms a row, compute-bound) and a draft token 10 ms: even
-    a perfect draft cannot pay, so after trying each untried row count once the policy decodes
-    plainly."""
+    """Every row costs its full price (20 ms a row, compute-bound) and a draft token 60 ms: even
+    a perfect draft cannot pay (k = 1 costs 100 ms for 2 tokens, 2.5x a plain token), so after
+    trying each untried row count once the policy decodes plainly. The margin is wide on
+    purpose: the costs are measured sleeps, and a loaded machine (parallel test workers) can
+    add a few ms to any of them; at 10 ms a row and draft token (1.5x) one slow plain step was
+    enough to make speculation look worth retrying."""
     target, _ = tiny_pair
-    slow = _slow_target(target, lambda rows: 0.010 * rows)
-    perfect_draft = _slow_target(target, lambda rows: 0.010)
+    slow = _slow_target(target, lambda rows: 0.020 * rows)
+    perfect_draft = _slow_target(target, lambda rows: 0.060)
     prompt = random_prompts(target.config.vocab_size, 1, seed=9, max_len=31)[0]
     gen = Generator.from_components(slow, proposer=DraftModel.from_model(perfect_draft, num_speculative_tokens=K))
     out = gen.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
