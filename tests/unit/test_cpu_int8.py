@@ -163,3 +163,19 @@ def test_one_call_rounds_like_the_torch_ops(with_bias):
     want32 = product if bias is None else product + bias
     assert torch.equal(int8_linear(x, packed, scale, out_features, bias), want32)
     assert torch.equal(int8_linear(x, packed, scale, out_features, bias, torch.bfloat16), want32.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_calls_split_over_threads_keep_each_rows_bits(threads):
+    """As for the 4-bit kernel: more than 16 rows, split over threads, row by row bitwise."""
+    packed, scale = pack_int8(*quantize_int8(_weight(70, 200, 4)))
+    x = torch.randn(45, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = int8_linear(x, packed, scale, 70, out_dtype=torch.bfloat16)
+        alone = [int8_linear(x[i : i + 1], packed, scale, 70, out_dtype=torch.bfloat16) for i in range(45)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(torch.cat(alone), together)

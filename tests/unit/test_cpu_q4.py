@@ -187,3 +187,21 @@ def test_one_call_rounds_like_the_torch_ops(with_bias):
     want32 = product if bias is None else product + bias
     assert torch.equal(q4_linear(x, packed, out_features, bias), want32)
     assert torch.equal(q4_linear(x, packed, out_features, bias, torch.bfloat16), want32.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_sized_calls_split_over_threads_keep_each_rows_bits(threads):
+    """Calls of more than 16 rows quantize their activations and round their results row
+    blocks per thread: each row still equals that row computed alone, at any thread count."""
+    packed = pack_q4(*quantize_q4(_weight(70, 200, 4)))
+    bias = torch.randn(70)
+    x = torch.randn(45, 200, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = q4_linear(x, packed, 70, bias, out_dtype=torch.bfloat16)
+        alone = [q4_linear(x[i : i + 1], packed, 70, bias, out_dtype=torch.bfloat16) for i in range(45)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(torch.cat(alone), together)

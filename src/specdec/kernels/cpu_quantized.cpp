@@ -54,6 +54,9 @@ constexpr int64_t kBlockI8 = 256;      // int8 bytes per panel and group
 constexpr int kMaxRowsAvx2 = 4;
 constexpr int kMaxRowsVnni = 8;
 constexpr int64_t kPrefetchBytes = 4096;
+// Up to this many rows, the per-row work around the dot products (quantizing activations,
+// rounding results) runs on the calling thread: a parallel region costs more than it saves.
+constexpr int64_t kSerialRows = 16;
 
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact
@@ -533,8 +536,12 @@ QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t G) {
   int32_t* xqs = q.block.get() + 2 * n;
   int8_t* xq = reinterpret_cast<int8_t*>(q.block.get() + 3 * n);
   const T* xp = x.data_ptr<T>();
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row(xp + m * K, K, G, xq + m * G * kGroup, dx + m * G, xs + m * G, xqs + m * G);
+  // Rows in parallel for prefills (each row depends on itself only: the same bits); a verify
+  // pass's few rows stay on this thread.
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xp + m * K, K, G, xq + m * G * kGroup, dx + m * G, xs + m * G, xqs + m * G);
+  });
   q.rows = Rows{xq, dx, xs, xqs, G};
   return q;
 }
@@ -617,7 +624,10 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
   auto rounded = torch::empty({M, N}, out.options().dtype(torch::kBFloat16));
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
-  for (int64_t m = 0; m < M; ++m) add_round_bf16(out.data_ptr<float>() + m * N, bp, dst + m * N, N);
+  const float* src = out.data_ptr<float>();
+  at::parallel_for(0, M, kSerialRows, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) add_round_bf16(src + m * N, bp, dst + m * N, N);
+  });
   return rounded;
 }
 
