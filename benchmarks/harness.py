@@ -840,10 +840,10 @@ def run_grid(cfg: HarnessConfig) -> dict:
     for threads, set_name, temperature, batch in itertools.product(
         cfg.threads, cfg.prompt_sets, cfg.temperatures, cfg.batch_sizes
     ):
-        torch.set_num_threads(threads)
         if not bounds or bounds[-1]["threads"] != threads:
-            if bounds:
+            if bounds:  # still at the previous thread count: its bound's closing probe
                 _close_bound(bounds[-1])
+            torch.set_num_threads(threads)
             bounds.append(_open_bound(threads, pool))
         group = dict(threads=threads, prompt_set=set_name, temperature=temperature, batch_size=batch)
         active = [
@@ -911,9 +911,12 @@ def _probe():
 
 
 def _close_bound(bound: dict) -> None:
-    """Measure the bandwidth again after the runs and keep the better (the tighter bound)."""
+    """Measure the bandwidth again after the runs, at the bound's own thread count, and keep the
+    better (the tighter bound). A closing probe taken after the switch to the next thread count
+    once set a 1-thread bound from 2 threads' bandwidth."""
     from benchmarks.bandwidth import read_bandwidth
 
+    torch.set_num_threads(bound["threads"])
     bound["bandwidth"].append(read_bandwidth())
     best = max(bound["bandwidth"])
     bound["read_bandwidth_gb_s"] = best / 1e9

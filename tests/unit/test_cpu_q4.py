@@ -134,6 +134,28 @@ def test_rows_are_batch_invariant_and_instruction_set_invariant(out_features):
 
 
 @needs_kernel
+def test_tiny_scales_keep_rows_instruction_set_invariant():
+    """The VNNI paths take features 4..7 as 16 x their dot times d / 16, exact only while
+    fl(d * dx) / 16 is a normal float32: with float16-subnormal weight scales and activation
+    groups near 2^-95 it would not be, so such groups quantize to zero (amax < 2^-90) and every
+    path agrees bitwise, in float32, with groups just above the limit (2^-85) computed."""
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(8)) * 1e-7
+    packed = pack_q4(*quantize_q4(w))
+    _, d, _ = unpack_q4(packed, 24)
+    assert bool((d.float().abs() < 6.1e-5).any()) and bool((d != 0).any())  # float16 subnormal scales
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))
+    x[0] *= 2.0**-97  # flushed: amax < 2^-90
+    x[1] *= 2.0**-87  # kept
+    xq, _, _ = quantize_activations(x)
+    assert bool((xq[0] == 0).all()) and bool((xq[1] != 0).any())
+    want = q4_linear(x, packed, 24, use_vnni=0)
+    assert bool((want[1] != 0).any())
+    if load_kernel().quantized_has_vnni():
+        for mode in (1, 2, -1):
+            assert torch.equal(q4_linear(x, packed, 24, use_vnni=mode), want), mode
+
+
+@needs_kernel
 def test_negative_control_swapped_nibbles_fail_the_reference_check():
     """The parity test above would catch a layout bug: the kernel reading features 0..3 from
     the high nibbles (and 4..7 from the low ones) gives another product."""

@@ -202,6 +202,24 @@ def test_paired_bound_is_each_runs_decode_time_against_its_own_probes():
     assert summary[0]["fraction_of_paired_bound"] == pytest.approx(12 / 6)
 
 
+def test_closing_probe_reads_at_the_bounds_own_thread_count(monkeypatch):
+    """The probe after a thread count's runs is taken at that count, even once the next count is
+    set (it used to give a 1-thread bound the bandwidth of 2 threads)."""
+    import torch
+
+    import benchmarks.bandwidth
+
+    monkeypatch.setattr(benchmarks.bandwidth, "read_bandwidth", lambda: float(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        bound = dict(threads=1, weight_bytes=4, bandwidth=[0.5])
+        harness._close_bound(bound)
+        assert bound["bandwidth"] == [0.5, 1.0] and bound["bound_decode_steps_per_s"] == 0.25
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cpu_preset_and_overrides():
     cfg = harness.parse_args(["--preset", "cpu", "--repeats", "2"])
     assert cfg.ks == (1, 2, 3, 4, 5, 6) and cfg.threads == (1, 2) and cfg.repeats == 2

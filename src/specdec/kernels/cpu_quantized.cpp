@@ -22,7 +22,13 @@
 // t = i % 4, q[f][32g + 4j + t] in the low nibble and q[f + 4][...] in the high nibble. A
 // 128-bit broadcast, a variable shift (0 for the low lane, 4 for the high lane) and a mask give
 // the 32 bytes [feature 0..7][t 0..3], which is what maddubs / vpdpbusd pair with 4 activation
-// bytes broadcast to every feature.
+// bytes broadcast to every feature. The VNNI kernels skip the shift: they mask the high nibbles
+// in place (16 q, 0..240: vpdpbusd's int32 sums cannot saturate), so features 4..7 get 16 x
+// their dot, exactly, and their d is taken / 16 (a power of two: exact). Then
+// fma(16 dot, fl(d dx) / 16, acc) is bitwise fma(dot, fl(d dx), acc) as long as fl(d dx) / 16 is
+// a normal float32; quantize_row makes xq all zero where it might not be (amax < 2^-90), so both
+// sides are then exactly acc. A shift per weight vector was 8 of the ~71 port-0 operations per
+// pair of panels and group in a 7-row verify pass.
 //
 // ---- int8: w[n, k] = s[n] * q[n, k], q in -127..127, one float32 scale per output feature.
 // Layout [P][G][256 bytes]: 8 vectors of 32 bytes, vector j holding q[f][32g + 4j + t] at byte
@@ -57,6 +63,8 @@ constexpr int64_t kPrefetchBytes = 4096;
 // Up to this many rows, the per-row work around the dot products (quantizing activations,
 // rounding results) runs on the calling thread: a parallel region costs more than it saves.
 constexpr int64_t kSerialRows = 16;
+// Activation groups whose largest |x| is below this quantize to zero (2^-90; see quantize_row).
+constexpr float kTinyAmax = 0x1p-90f;
 
 inline float as_float(float v) { return v; }
 inline float as_float(at::BFloat16 v) { return static_cast<float>(v); }  // exact
@@ -106,7 +114,9 @@ void quantize_row(const T* x, int64_t K, int64_t G, int8_t* xq, float* dx, float
     const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     const float amax = hmax8(amax8);
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    // Groups this small quantize to zero (the VNNI kernels' exact / 16 needs fl(d dx) >= 2^-122,
+    // i.e. dx >= 2^-98 for the smallest float16 d, 2^-24; see the top of the file).
+    const float inv = amax >= kTinyAmax ? 127.f / amax : 0.f;
     dx[g] = amax / 127.f;
     xs[g] = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     const __m256 scale = _mm256_set1_ps(inv);
@@ -134,6 +144,14 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
   const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i shifted = _mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
   return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+// The VNNI kernels' unpacking: the same bytes without the shift, high nibbles masked in place
+// (features 4..7 hold 16 q; see the top of the file).
+inline __m256i unpack_nibbles_x16(const uint8_t* p) {
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const int lo4 = 0x0F0F0F0F, hi4 = static_cast<int>(0xF0F0F0F0u);  // 128-bit lanes: low, high
+  return _mm256_and_si256(raw, _mm256_setr_epi32(lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4));
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -175,12 +193,14 @@ __attribute__((always_inline)) inline void prefetch_pair(const uint8_t* a, const
 }
 
 // The float part of one q4 group for MR rows, from their exact int32 dots (8 features each):
-// acc = fma(dot, d * dx, acc); acc = fma(c, xs, acc). Shared by the AVX2 and VNNI kernels.
-template <int MR>
+// acc = fma(dot, d * dx, acc); acc = fma(c, xs, acc). Shared by the AVX2 and VNNI kernels; X16:
+// features 4..7 bring 16 x their dot (unpack_nibbles_x16), so their d is taken / 16.
+template <int MR, bool X16>
 __attribute__((always_inline)) inline void q4_group_float(__m256 (&acc)[MR], const __m256i (&dots)[MR],
                                                           const uint8_t* blk, const Rows& r,
                                                           int64_t m0, int64_t g) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+  __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
+  if (X16) d = _mm256_mul_ps(d, _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
   const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
@@ -223,13 +243,14 @@ void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_madd_epi16(isum[m], ones);
-    q4_group_float<MR>(acc, isum, blk, r, m0, g);
+    q4_group_float<MR, false>(acc, isum, blk, r, m0, g);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
 }
 
-// The same arithmetic with vpdpbusd (exact int32 dot of 4 byte pairs): bitwise equal results.
+// The same arithmetic with vpdpbusd (exact int32 dot of 4 byte pairs; features 4..7 as 16 x
+// their dot, d / 16): bitwise equal results.
 template <int MR, bool PREFETCH>
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
@@ -246,12 +267,12 @@ void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int
     for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m256i w = unpack_nibbles(blk + 16 * j);
+      const __m256i w = unpack_nibbles_x16(blk + 16 * j);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m)
         isum[m] = _mm256_dpbusd_epi32(isum[m], w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
     }
-    q4_group_float<MR>(acc, isum, blk, r, m0, g);
+    q4_group_float<MR, true>(acc, isum, blk, r, m0, g);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
@@ -282,12 +303,14 @@ inline void for_row_blocks(int64_t M, int64_t step, F&& f) {
 // per-row instructions of a verify pass. Lane for lane the same integer dots and the same float
 // operations in the same order as micro_vnni: bitwise equal results.
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
-inline __m512i unpack_nibbles_pair(const uint8_t* a, const uint8_t* b) {
+inline __m512i unpack_nibbles_pair(const uint8_t* a, const uint8_t* b) {  // as unpack_nibbles_x16
   const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
   const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
   const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4);
-  return _mm512_and_si512(_mm512_srlv_epi32(raw, shift), _mm512_set1_epi8(0x0F));
+  // 128-bit lanes: a's low nibbles, a's high nibbles (in place), b's low, b's high.
+  const int lo4 = 0x0F0F0F0F, hi4 = static_cast<int>(0xF0F0F0F0u);
+  return _mm512_and_si512(raw, _mm512_setr_epi32(lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4,
+                                                 lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4));
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
@@ -323,7 +346,9 @@ void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows&
         isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
       }
     }
-    const __m512 d = half_pair(a + 128, b + 128);
+    const __m512 d = _mm512_mul_ps(half_pair(a + 128, b + 128),  // features 4..7 of each: 16 x dot
+                                   _mm512_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f,
+                                                  1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
     const __m512 c = half_pair(a + 144, b + 144);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
