@@ -841,8 +841,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
         cfg.threads, cfg.prompt_sets, cfg.temperatures, cfg.batch_sizes
     ):
         if not bounds or bounds[-1]["threads"] != threads:
-            if bounds:  # still at the previous thread count: its bound's closing probe
-                _close_bound(bounds[-1])
+            if bounds:
+                _close_bound(bounds[-1])  # sets its own thread count: open the next bound after
             torch.set_num_threads(threads)
             bounds.append(_open_bound(threads, pool))
         group = dict(threads=threads, prompt_set=set_name, temperature=temperature, batch_size=batch)

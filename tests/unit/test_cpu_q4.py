@@ -137,7 +137,7 @@ def test_rows_are_batch_invariant_and_instruction_set_invariant(out_features):
 def test_tiny_scales_keep_rows_instruction_set_invariant():
     """The VNNI paths take features 4..7 as 16 x their dot times d / 16, exact only while
     fl(d * dx) / 16 is a normal float32: with float16-subnormal weight scales and activation
-    groups near 2^-95 it would not be, so such groups quantize to zero (amax < 2^-90) and every
+    groups near 2^-97 it would not be, so such groups quantize to zero (amax < 2^-90) and every
     path agrees bitwise, in float32, with groups just above the limit (2^-85) computed."""
     w = torch.randn(24, 64, generator=torch.Generator().manual_seed(8)) * 1e-7
     packed = pack_q4(*quantize_q4(w))
