@@ -134,7 +134,8 @@ def test_bf16_dot_path_matches_reference(rows, in_features, out_features):
 @needs_kernel
 def test_bf16_dot_rows_are_batch_invariant():
     """Within the AVX512-BF16 path a row's bits do not depend on the rows beside it (blocks of
-    eight rows, a partial block, the row alone), so verify passes compute what decoding does."""
+    eight rows, a partial block, 3-5 rows over two panels at a time, the row alone), so verify
+    passes compute what decoding does."""
     _bf16_dot_kernel()
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 99, generator=g).to(torch.bfloat16)  # odd in_features: the tail too
@@ -143,7 +144,8 @@ def test_bf16_dot_rows_are_batch_invariant():
     together = packed_linear(x, packed, 70, bf16_dot=1)
     for i in range(19):
         assert torch.equal(packed_linear(x[i : i + 1], packed, 70, bf16_dot=1), together[i : i + 1])
-    assert torch.equal(packed_linear(x[3:9], packed, 70, bf16_dot=1), together[3:9])
+    for start, stop in ((3, 9), (0, 3), (3, 7), (7, 12), (12, 14)):
+        assert torch.equal(packed_linear(x[start:stop], packed, 70, bf16_dot=1), together[start:stop])
 
 
 @needs_kernel

@@ -1,10 +1,13 @@
-"""TreeShape's limits: a dynamic tree's expanded nodes need draft rows in the verify slots."""
+"""TreeShape's limits (a dynamic tree's expanded nodes need draft rows in the verify slots) and
+its growth rule: pruning for the nodes that will be kept changes nothing that is kept."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from specdec.proposers.tree_shape import TreeShape
+from specdec.config import MAX_SPECULATIVE_TOKENS
+from specdec.proposers.tree_shape import Node, TreeShape, best_first, expansions
 
 
 @pytest.mark.parametrize(("top_k", "depth"), [(4, 5), (2, 5), (1, 3), (3, 1), (8, 2)])
@@ -14,3 +17,61 @@ def test_min_verify_tokens_is_the_smallest_shape_accepted(top_k, depth):
     if n > 1:
         with pytest.raises(ValueError, match="slots are reserved"):
             TreeShape(top_k=top_k, depth=depth, num_verify_tokens=n - 1)
+
+
+def _grow(shape: TreeShape, keep: int | None, seed: int, max_depth: int) -> tuple[list[Node], int]:
+    """A dynamic tree grown as EAGLETree grows it, the head replaced by log-probabilities drawn
+    from (seed, the node's rank path): coarse values, so ties happen, and some ``-inf``.
+    Returns the nodes and how many nodes were expanded (the head's rows)."""
+    nodes: list[Node] = []
+    expanded = 0
+    for depth in range(1, max_depth + 1):
+        plan = expansions(shape, nodes, depth, keep)
+        if not plan:
+            break
+        for parent, ranks in plan:
+            prefix = () if parent < 0 else nodes[parent].ranks
+            expanded += parent >= 0
+            g = torch.Generator().manual_seed(hash((seed, prefix)) % 2**31)
+            logp = -torch.randint(0, 6, (shape.top_k,), generator=g).float().sort().values.flip(0)
+            logp = torch.where(torch.rand(shape.top_k, generator=g) < 0.05, float("-inf"), logp)
+            logp = logp.sort(descending=True).values.tolist()
+            base = 0.0 if parent < 0 else nodes[parent].score
+            for rank in ranks:
+                token = hash((seed, prefix, rank)) % 1000
+                nodes.append(Node(token, parent, depth, base + logp[rank], (*prefix, rank)))
+    return nodes, expanded
+
+
+def _kept(shape: TreeShape, keep: int, prune_for: int | None, seed: int) -> tuple[list, list, int]:
+    nodes, expanded = _grow(shape, prune_for, seed, min(shape.depth, keep))
+    kept, parents = best_first(nodes, keep)
+    return [nodes[i].ranks for i in kept], parents, expanded
+
+
+@pytest.mark.parametrize(("top_k", "depth"), [(4, 5), (2, 5), (3, 4), (1, 4)])
+def test_pruned_growth_keeps_the_same_nodes_with_fewer_head_rows(top_k, depth):
+    """Expanding only the nodes that can lead to one of the ``keep`` best gives the same kept
+    nodes, in the same order, as the full EAGLE-2 tree, for every ``keep``, and saves rows."""
+    shape = TreeShape(top_k=top_k, depth=depth, num_verify_tokens=MAX_SPECULATIVE_TOKENS)
+    saved = 0
+    for seed in range(40):
+        for keep in range(1, 17):
+            full = _kept(shape, keep, None, seed)
+            pruned = _kept(shape, keep, keep, seed)
+            assert pruned[:2] == full[:2], (seed, keep)
+            assert pruned[2] <= full[2]
+            saved += full[2] - pruned[2]
+    assert saved > 0 or top_k == 1
+
+
+def test_negative_control_pruning_one_node_too_many_changes_the_kept_nodes():
+    """The check above notices an off-by-one: pruning as if one node fewer were kept loses
+    kept nodes on some trees."""
+    shape = TreeShape(top_k=4, depth=5, num_verify_tokens=MAX_SPECULATIVE_TOKENS)
+    differs = sum(
+        _kept(shape, keep, keep - 1, seed)[:2] != _kept(shape, keep, None, seed)[:2]
+        for seed in range(20)
+        for keep in range(2, 9)
+    )
+    assert differs > 0

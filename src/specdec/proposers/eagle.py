@@ -146,6 +146,7 @@ class EAGLETree:
                 ctx.kv,
                 ctx.backend,
                 max_depth=min(self.shape.max_depth, n),  # n best nodes: at most n deep
+                keep=n,
             )
             for i, nodes in zip(live, grown):
                 trees[i] = nodes
@@ -162,9 +163,16 @@ class EAGLETree:
         )
 
     def _grow(
-        self, seq_ids: list[int], roots: list[int], kv: ModelKV, backend: object, max_depth: int
+        self,
+        seq_ids: list[int],
+        roots: list[int],
+        kv: ModelKV,
+        backend: object,
+        max_depth: int,
+        keep: int,
     ) -> list[list[Node]]:
-        """Every sequence's tree (all candidate nodes) to ``max_depth``, grown depth by depth."""
+        """Every sequence's tree to ``max_depth``, grown depth by depth; a dynamic tree only
+        expands nodes that can lead to one of the ``keep`` best (:func:`expansions`)."""
         head = self.head
         trees: list[list[Node]] = [[] for _ in seq_ids]
         root_g = torch.stack([self._g[s] for s in seq_ids])  # [batch, hidden]
@@ -172,7 +180,7 @@ class EAGLETree:
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in seq_ids]  # node -> [hidden] g
         ids = head.draft_to_target  # [draft_vocab] target id of each draft logit
         for depth in range(1, max_depth + 1):
-            plans = [expansions(self.shape, nodes, depth) for nodes in trees]
+            plans = [expansions(self.shape, nodes, depth, keep) for nodes in trees]
             if not any(plans):
                 break
             if depth == 1:

@@ -132,10 +132,20 @@ class Node:
     ranks: tuple[int, ...]  # child ranks from the root (how a static tree names it)
 
 
-def expansions(shape: TreeShape, nodes: Sequence[Node], depth: int) -> list[tuple[int, list[int]]]:
+def expansions(
+    shape: TreeShape, nodes: Sequence[Node], depth: int, keep: int | None = None
+) -> list[tuple[int, list[int]]]:
     """Which nodes get children at ``depth`` and the ranks those children take.
 
     Returns ``(node index, ranks)`` pairs, node index ``-1`` for the root (``depth == 1``).
+
+    ``keep``: how many nodes :func:`best_first` will keep (the verified ones). A dynamic tree
+    then skips the frontier nodes that cannot have a kept descendant: those outside the
+    ``keep - 1`` best nodes so far. Later nodes only push a node down the order and a
+    descendant sorts after its ancestor, so such a node's descendants rank ``keep``-th or
+    worse. The kept nodes are the same as without ``keep`` (every node that ranks above a
+    skipped one's children still exists, so the frontiers agree on the nodes that matter)
+    while the head runs fewer rows, and no depth at all once nothing can be kept below it.
     """
     if depth == 1:
         if shape.paths is not None:
@@ -149,18 +159,25 @@ def expansions(shape: TreeShape, nodes: Sequence[Node], depth: int) -> list[tupl
                 wanted.setdefault(p[:-1], []).append(p[-1])
         return [(i, sorted(wanted[nodes[i].ranks])) for i in previous if nodes[i].ranks in wanted]
     frontier = sorted(previous, key=lambda i: (-nodes[i].score, i))[: shape.top_k]
+    if keep is not None:
+        can_lead = set(_ranked(nodes)[: keep - 1])  # the nodes a kept node can descend from
+        frontier = [i for i in frontier if i in can_lead]
     return [(i, list(range(shape.top_k))) for i in sorted(frontier)]
+
+
+def _ranked(nodes: Sequence[Node]) -> list[int]:
+    """Node indices best first, ``-inf`` scores (tokens the draft rules out) left out."""
+    return sorted(
+        (i for i, node in enumerate(nodes) if node.score != float("-inf")),
+        key=lambda i: (-nodes[i].score, nodes[i].depth, i),
+    )
 
 
 def best_first(nodes: Sequence[Node], n: int) -> tuple[list[int], list[int]]:
     """The ``n`` best nodes, parents first: their indices into ``nodes``, and each one's
     parent as an index into that list (-1: the root). Nodes scoring ``-inf`` (tokens the draft
     rules out) are never kept."""
-    order = sorted(
-        (i for i, node in enumerate(nodes) if node.score != float("-inf")),
-        key=lambda i: (-nodes[i].score, nodes[i].depth, i),
-    )
-    kept = order[:n]
+    kept = _ranked(nodes)[:n]
     position = {node: j for j, node in enumerate(kept)}
     parents = [-1 if nodes[i].parent < 0 else position[nodes[i].parent] for i in kept]
     return kept, parents
