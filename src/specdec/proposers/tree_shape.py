@@ -9,7 +9,8 @@ log-probabilities along its path.
   from the root (``[0, 1]``: the second-best child of the best child of the root).
 - Dynamic (EAGLE-2): the root gets ``top_k`` children; at each later depth the ``top_k``
   best-scoring nodes of the previous depth get ``top_k`` children each; after ``depth`` depths
-  the ``num_verify_tokens`` best-scoring nodes are kept.
+  the ``num_verify_tokens`` best-scoring nodes are kept. Told how many nodes will be kept,
+  growth skips the nodes that cannot lead to one of them (same kept nodes, less drafting).
 
 A child never scores above its parent (log-probabilities are <= 0), so ranking all nodes by
 ``(-score, depth, creation order)`` puts every parent before its children: any prefix of that
