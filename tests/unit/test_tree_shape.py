@@ -33,9 +33,9 @@ def _grow(shape: TreeShape, keep: int | None, seed: int, max_depth: int) -> tupl
             prefix = () if parent < 0 else nodes[parent].ranks
             expanded += parent >= 0
             g = torch.Generator().manual_seed(hash((seed, prefix)) % 2**31)
-            logp = -torch.randint(0, 6, (shape.top_k,), generator=g).float().sort().values.flip(0)
+            logp = -torch.randint(0, 6, (shape.top_k,), generator=g).float()
             logp = torch.where(torch.rand(shape.top_k, generator=g) < 0.05, float("-inf"), logp)
-            logp = logp.sort(descending=True).values.tolist()
+            logp = logp.sort(descending=True).values.tolist()  # ranks in the head's order
             base = 0.0 if parent < 0 else nodes[parent].score
             for rank in ranks:
                 token = hash((seed, prefix, rank)) % 1000
