@@ -338,6 +338,7 @@ class ModelPool:
         self.mtp_head = mtp_head
         self.mtp_draft_vocab: int | None = None
         self.eagle_head: Path | None = None
+        self.head_quantization: str | None = None  # MTP / EAGLE heads' linear layers
         self.llamacpp_target: Path | None = None
         self.tree_top_k = 4
         self.tree_depth = 5
@@ -554,7 +555,12 @@ def _specdec_mtp(pool: ModelPool, k: int | None) -> SpecdecRunner:
 
     if pool.mtp_head is None:
         raise ValueError("specdec-mtp needs --mtp-head DIR (a head trained for --target)")
-    head = MTPHead.from_pretrained(pool.mtp_head, num_speculative_tokens=k, draft_vocab_size=pool.mtp_draft_vocab)
+    head = MTPHead.from_pretrained(
+        pool.mtp_head,
+        num_speculative_tokens=k,
+        draft_vocab_size=pool.mtp_draft_vocab,
+        quantization=pool.head_quantization,
+    )
     return SpecdecRunner(pool.specdec_generator(head, policy=FixedPolicy(k)))
 
 
@@ -581,6 +587,7 @@ def _specdec_eagle(
             top_k=pool.tree_top_k,
             depth=pool.tree_depth,
             num_verify_tokens=nodes,
+            quantization=pool.head_quantization,
         )
         return pool.specdec_generator(proposer, policy=None if adaptive else FixedPolicy(k))
 
@@ -756,6 +763,7 @@ class HarnessConfig:
     mtp_draft_vocab: int | None = None  # draft from the head's N most frequent training tokens
     draft_vocab: int = 32768  # the -vocab systems: the N tokens most frequent in stdlib code
     eagle_head: str | None = None
+    head_quantization: str | None = None  # "int8" / "q4": the MTP and EAGLE heads' linear layers
     llamacpp_target: str | None = None  # the target as a GGUF file, for llamacpp-plain
     tree_top_k: int = 4
     tree_depth: int = 5
@@ -824,6 +832,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     pool.mtp_draft_vocab = cfg.mtp_draft_vocab
     pool.draft_vocab_size = cfg.draft_vocab
     pool.eagle_head = Path(cfg.eagle_head) if cfg.eagle_head else None
+    pool.head_quantization = cfg.head_quantization
     pool.llamacpp_target = Path(cfg.llamacpp_target) if cfg.llamacpp_target else None
     pool.tree_top_k, pool.tree_depth = cfg.tree_top_k, cfg.tree_depth
     instances = [
@@ -874,7 +883,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
                    "draft_quantization": cfg.draft_quantization, "mtp_head": cfg.mtp_head,
                    "draft_confidence": cfg.draft_confidence,
                    "mtp_draft_vocab": cfg.mtp_draft_vocab, "draft_vocab": cfg.draft_vocab,
-                   "eagle_head": cfg.eagle_head,
+                   "eagle_head": cfg.eagle_head, "head_quantization": cfg.head_quantization,
                    "llamacpp_target": cfg.llamacpp_target,
                    "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
         "hf_settings": HF_SETTINGS,
@@ -1415,6 +1424,10 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     ap.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                     help="the -vocab systems: the draft model drafts from this many tokens (most frequent in stdlib code)")
     ap.add_argument("--eagle-head", default=d.eagle_head, help="EAGLE head directory for specdec-eagle*")
+    ap.add_argument(
+        "--head-quantization", choices=("int8", "q4"), default=d.head_quantization,
+        help="specdec-mtp and specdec-eagle*: the heads' linear layers in this format",
+    )
     ap.add_argument("--llamacpp-target", default=d.llamacpp_target,
                     help="the target as a GGUF file, for llamacpp-plain (llama-cpp-python)")  # fmt: skip
     ap.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="specdec-eagle-tree: children per node")

@@ -471,6 +471,7 @@ def load_eagle_head(
     *,
     dtype: torch.dtype | None = None,
     target_layers: tuple[int, ...] | None = None,
+    quantization: str | None = None,
 ) -> EagleHeadModel:
     """Load an EAGLE head onto ``target`` from ``config.json`` + ``model.safetensors`` in one of
     three layouts, told apart by the keys: specdec's own (:func:`save_eagle_head`), the public
@@ -479,13 +480,17 @@ def load_eagle_head(
 
     ``target_layers`` overrides the reference's EAGLE-3 layers for public files. Weights take
     ``dtype`` (default: the target's) on the target's device; bf16 on a CPU with the packed
-    kernel gets packed linears, like the target.
+    kernel gets packed linears, like the target. ``quantization`` (``"int8"`` or ``"q4"``, CPU
+    only) stores the head's own linear layers (its LM head included) in that format: each head
+    forward streams them once, so they set its cost; the proposals change, never the output.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from specdec.models.packed import pack_linears, should_pack
+    from specdec.models.quantized import check_quantization, quantize_linears
 
+    check_quantization(quantization, target.device)
     directory = Path(directory)
     config_path, weights_path = directory / _CONFIG, directory / _WEIGHTS
     for path in (config_path, weights_path):
@@ -529,6 +534,8 @@ def load_eagle_head(
     head.eval().requires_grad_(False)
     if should_pack(head):
         pack_linears(head)
+    if quantization is not None:
+        quantize_linears(head, quantization)
     return head
 
 

@@ -223,16 +223,27 @@ def _plain_state_dict(head: MTPHeadModel) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_mtp_head(directory: str | Path, target: LlamaModel, *, dtype: torch.dtype | None = None) -> MTPHeadModel:
+def load_mtp_head(
+    directory: str | Path,
+    target: LlamaModel,
+    *,
+    dtype: torch.dtype | None = None,
+    quantization: str | None = None,
+) -> MTPHeadModel:
     """Load a head saved by :func:`save_mtp_head` onto ``target`` (checked to fit it).
 
     Weights take ``dtype`` (default: the target's) on the target's device. Only safetensors are
     read. A bf16 head on a CPU with the packed kernel gets packed linears, like the target.
+    ``quantization`` (``"int8"`` or ``"q4"``, CPU only) stores the head's own linear layers in
+    that format (the LM head it shares with the target stays as the target stores it).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from specdec.models.packed import pack_linears, should_pack
+    from specdec.models.quantized import check_quantization, quantize_linears
+
+    check_quantization(quantization, target.device)
 
     directory = Path(directory)
     if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
@@ -261,6 +272,8 @@ def load_mtp_head(directory: str | Path, target: LlamaModel, *, dtype: torch.dty
     head.eval().requires_grad_(False)
     if should_pack(head):
         pack_linears(head)
+    if quantization is not None:
+        quantize_linears(head, quantization)
     return head
 
 

@@ -35,6 +35,7 @@ from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec, ModelKV
 from specdec.models.eagle import EagleHeadModel, load_eagle_head
 from specdec.models.llama import LlamaModel
+from specdec.models.quantized import check_quantization
 from specdec.proposers.tree_shape import Node, TreeShape, best_first, expansions
 from specdec.types import DraftProposal, ProposalKind, pad_rows
 from specdec.verify.tree_layout import tree_mask
@@ -64,11 +65,13 @@ class EAGLETree:
         head: EagleHeadModel | None = None,
         path: Path | None = None,
         target_layers: tuple[int, ...] | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.shape = shape
         self.head = head
         self._path = path
         self._target_layers = target_layers
+        self._quantization = quantization
         self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output, last committed row
 
     @classmethod
@@ -81,16 +84,19 @@ class EAGLETree:
         depth: int = 5,
         num_verify_tokens: int = 16,
         target_layers: tuple[int, ...] | None = None,
+        quantization: str | None = None,
     ) -> EAGLETree:
         """A head directory (specdec's format, or a public EAGLE-1/2 or EAGLE-3 checkpoint with
         ``config.json`` + ``model.safetensors``). ``target_layers`` overrides the target layers a
-        public EAGLE-3 head feeds on."""
+        public EAGLE-3 head feeds on. ``quantization``: ``"int8"`` or ``"q4"`` stores the head's
+        linear layers in that format on a CPU (cheaper head forwards; output unchanged)."""
+        check_quantization(quantization, "cpu")  # the value; the device is checked on loading
         shape = TreeShape(paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens)
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"EAGLE head path {str(path)!r} has no {name}")
-        return cls(shape, path=path, target_layers=target_layers)
+        return cls(shape, path=path, target_layers=target_layers, quantization=quantization)
 
     @classmethod
     def from_model(
@@ -119,7 +125,9 @@ class EAGLETree:
     def attach(self, target: LlamaModel) -> None:
         """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
         if self.head is None:
-            self.head = load_eagle_head(self._path, target, target_layers=self._target_layers)
+            self.head = load_eagle_head(
+                self._path, target, target_layers=self._target_layers, quantization=self._quantization
+            )
         elif self.head.target is not target:
             self.head.config.check_target(target.config)
             if self.head.target.embed_tokens.weight is not target.embed_tokens.weight:

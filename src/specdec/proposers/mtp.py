@@ -28,6 +28,7 @@ from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
 from specdec.models.llama import LlamaModel
+from specdec.models.quantized import check_quantization, quantize_linears
 from specdec.models.sub_vocab import SubVocabHead
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
@@ -62,10 +63,12 @@ class MTPHead:
         head: MTPHeadModel | None = None,
         path: Path | None = None,
         draft_vocab: torch.Tensor | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.config = config
         self.head = head
         self._path = path
+        self._quantization = quantization  # of the head's linears and its draft-vocabulary head
         self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output at the last committed slot
         # Drafting from a subset of the vocabulary (the tokens most frequent in training) cuts
         # the LM-head product, the largest cost of a draft on a small target. Still lossless:
@@ -77,11 +80,20 @@ class MTPHead:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, num_speculative_tokens: int = 1, draft_vocab_size: int | None = None
+        cls,
+        path: str | Path,
+        *,
+        num_speculative_tokens: int = 1,
+        draft_vocab_size: int | None = None,
+        quantization: str | None = None,
     ) -> MTPHead:
         """``draft_vocab_size``: draft only from this many of the tokens most frequent in the
-        head's training data (``draft_vocab.safetensors`` beside the head); ``None``: all."""
+        head's training data (``draft_vocab.safetensors`` beside the head); ``None``: all.
+        ``quantization``: ``"int8"`` or ``"q4"`` stores the head's linear layers (and its
+        draft-vocabulary rows of the LM head) in that format on a CPU: cheaper drafts, the same
+        output."""
         config = MTPHeadProposerConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
+        check_quantization(quantization, "cpu")  # the value; the device is checked on loading
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
@@ -91,7 +103,7 @@ class MTPHead:
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"{str(path / 'config.json')!r} is not an MTP head config: {err}") from err
         vocab = None if draft_vocab_size is None else load_draft_vocab(path, draft_vocab_size)
-        return cls(config, path=path, draft_vocab=vocab)
+        return cls(config, path=path, draft_vocab=vocab, quantization=quantization)
 
     @classmethod
     def from_model(
@@ -107,7 +119,7 @@ class MTPHead:
     def attach(self, target: LlamaModel) -> None:
         """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
         if self.head is None:
-            self.head = load_mtp_head(self._path, target)
+            self.head = load_mtp_head(self._path, target, quantization=self._quantization)
             self._build_sub_head()
         elif self.head.target is not target:
             self.head.config.check_target(target.config)
@@ -123,6 +135,8 @@ class MTPHead:
         if self._draft_vocab is not None:
             target = self.head.target
             self._sub_head = SubVocabHead(target.lm_head, self._draft_vocab, target.config.vocab_size)
+            if self._quantization is not None:  # rows already int8 / 4-bit keep their codes
+                quantize_linears(self._sub_head, self._quantization)
 
     def _draft_logits(self, g: torch.Tensor) -> torch.Tensor:
         """``[rows, hidden] -> [rows, vocab]`` float; ``-inf`` outside the draft vocabulary."""
