@@ -532,10 +532,10 @@ def load_eagle_head(
     head.load_state_dict(state, assign=True)
     head.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
     head.eval().requires_grad_(False)
-    if should_pack(head):
-        pack_linears(head)
-    if quantization is not None:
+    if quantization is not None:  # from the plain weights: packing first would be undone
         quantize_linears(head, quantization)
+    elif should_pack(head):
+        pack_linears(head)
     return head
 
 

@@ -270,10 +270,10 @@ def load_mtp_head(
     state = {n: t.to(device=target.device, dtype=dtype) for n, t in state.items()}
     head.load_state_dict(state, assign=True)
     head.eval().requires_grad_(False)
-    if should_pack(head):
-        pack_linears(head)
-    if quantization is not None:
+    if quantization is not None:  # from the plain weights: packing first would be undone
         quantize_linears(head, quantization)
+    elif should_pack(head):
+        pack_linears(head)
     return head
 
 
