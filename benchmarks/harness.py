@@ -24,9 +24,13 @@ Systems:
                     from that repeat's first prompt on (the warm-up does not teach it)
     specdec-lookup  Generator + PromptLookup(k)                  (max_ngram 3)
     specdec-mtp     Generator + MTPHead(--mtp-head, k)           (a head trained for --target)
+    specdec-mtp-confident  the same, k a ceiling: a chain ends after a draft of head
+                    probability below --draft-confidence
     specdec-eagle   Generator + EAGLETree(--eagle-head) as a chain of k drafts
     specdec-eagle-tree  the same with EAGLE-2's dynamic tree (--tree-top-k, --tree-depth), the
                     k best nodes verified every step (k = tree size)
+    specdec-eagle-tree-confident  the dynamic tree, k a ceiling: only nodes whose path
+                    probability under the head reaches --tree-min-prob (the best node always)
     specdec-eagle-adaptive  the dynamic tree under the default AdaptivePolicy (at most k nodes),
                     a fresh Generator at the start of every repeat
     specdec-int8-plain, specdec-q4-plain  the target's linear layers stored as int8 / 4-bit
@@ -342,8 +346,9 @@ class ModelPool:
         self.llamacpp_target: Path | None = None
         self.tree_top_k = 4
         self.tree_depth = 5
+        self.tree_min_prob = 0.0  # specdec-eagle-tree-confident: the least verified path probability
         self.draft_quantization: str | None = None
-        self.draft_confidence = 0.0  # specdec-*-draft-confident: where a chain ends
+        self.draft_confidence = 0.0  # specdec-*-draft-confident, -mtp-confident: where a chain ends
         self.draft_vocab_size = 32768  # the -vocab systems: draft from this many tokens
         self._drafts: dict[str | None, object] = {}
         self._targets: dict[str | None, object] = {}
@@ -549,7 +554,7 @@ def _specdec_lookup(pool: ModelPool, k: int | None) -> SpecdecRunner:
     )
 
 
-def _specdec_mtp(pool: ModelPool, k: int | None) -> SpecdecRunner:
+def _specdec_mtp(pool: ModelPool, k: int | None, *, confident: bool = False) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import MTPHead
 
@@ -560,12 +565,13 @@ def _specdec_mtp(pool: ModelPool, k: int | None) -> SpecdecRunner:
         num_speculative_tokens=k,
         draft_vocab_size=pool.mtp_draft_vocab,
         quantization=pool.head_quantization,
+        confidence_threshold=pool.draft_confidence if confident else 0.0,
     )
     return SpecdecRunner(pool.specdec_generator(head, policy=FixedPolicy(k)))
 
 
 def _specdec_eagle(
-    pool: ModelPool, k: int | None, *, tree: bool = False, adaptive: bool = False
+    pool: ModelPool, k: int | None, *, tree: bool = False, adaptive: bool = False, confident: bool = False
 ) -> SpecdecRunner:
     from specdec import FixedPolicy
     from specdec.proposers import EAGLETree
@@ -588,6 +594,7 @@ def _specdec_eagle(
             depth=pool.tree_depth,
             num_verify_tokens=nodes,
             quantization=pool.head_quantization,
+            min_path_prob=pool.tree_min_prob if confident else 0.0,
         )
         return pool.specdec_generator(proposer, policy=None if adaptive else FixedPolicy(k))
 
@@ -692,10 +699,22 @@ SYSTEMS = {
             twin="hf-lookup",
         ),
         System(name="specdec-mtp", build=_specdec_mtp, speculative=True, plain=REFERENCE),
+        System(
+            name="specdec-mtp-confident",
+            build=functools.partial(_specdec_mtp, confident=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
         System(name="specdec-eagle", build=_specdec_eagle, speculative=True, plain=REFERENCE),
         System(
             name="specdec-eagle-tree",
             build=functools.partial(_specdec_eagle, tree=True),
+            speculative=True,
+            plain=REFERENCE,
+        ),
+        System(
+            name="specdec-eagle-tree-confident",
+            build=functools.partial(_specdec_eagle, tree=True, confident=True),
             speculative=True,
             plain=REFERENCE,
         ),
@@ -756,7 +775,7 @@ class HarnessConfig:
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
     draft_quantization: str | None = None  # "int8": the draft's linear layers as int8
-    draft_confidence: float = 0.4  # the -draft-confident systems' confidence_threshold
+    draft_confidence: float = 0.4  # the -draft-confident and -mtp-confident systems' confidence_threshold
     # Per-system k lists that replace ``ks`` (e.g. one k for transformers' slower systems).
     system_ks: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     mtp_head: str | None = None
@@ -767,6 +786,7 @@ class HarnessConfig:
     llamacpp_target: str | None = None  # the target as a GGUF file, for llamacpp-plain
     tree_top_k: int = 4
     tree_depth: int = 5
+    tree_min_prob: float = 0.1  # specdec-eagle-tree-confident: the least verified path probability
     seed: int = 0
     out: str = "harness"
     out_dir: str = str(RESULTS)
@@ -796,6 +816,8 @@ class HarnessConfig:
             raise ValueError(
                 f"--tree-top-k and --tree-depth must be >= 1, got {self.tree_top_k}, {self.tree_depth}"
             )
+        if not 0.0 <= self.tree_min_prob < 1.0:
+            raise ValueError(f"--tree-min-prob must be in [0, 1), got {self.tree_min_prob}")
         for name, ks in self.system_ks.items():
             if name not in SYSTEMS or not SYSTEMS[name].speculative:
                 speculative = [n for n, s in SYSTEMS.items() if s.speculative]
@@ -835,6 +857,7 @@ def run_grid(cfg: HarnessConfig) -> dict:
     pool.head_quantization = cfg.head_quantization
     pool.llamacpp_target = Path(cfg.llamacpp_target) if cfg.llamacpp_target else None
     pool.tree_top_k, pool.tree_depth = cfg.tree_top_k, cfg.tree_depth
+    pool.tree_min_prob = cfg.tree_min_prob
     instances = [
         (SYSTEMS[name], k)
         for name in cfg.systems
@@ -885,7 +908,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
                    "mtp_draft_vocab": cfg.mtp_draft_vocab, "draft_vocab": cfg.draft_vocab,
                    "eagle_head": cfg.eagle_head, "head_quantization": cfg.head_quantization,
                    "llamacpp_target": cfg.llamacpp_target,
-                   "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth},
+                   "tree_top_k": cfg.tree_top_k, "tree_depth": cfg.tree_depth,
+                   "tree_min_prob": cfg.tree_min_prob},
         "hf_settings": HF_SETTINGS,
         "skipped": skipped,
         "bounds": bounds,
@@ -1417,7 +1441,7 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     )
     ap.add_argument(
         "--draft-confidence", type=float, default=d.draft_confidence,
-        help="the -draft-confident systems: a chain ends after a draft token of lower draft probability",
+        help="the -draft-confident and -mtp-confident systems: a chain ends after a draft token of lower draft probability",
     )
     ap.add_argument("--mtp-head", default=d.mtp_head, help="MTP head directory for specdec-mtp")
     ap.add_argument("--mtp-draft-vocab", type=int, default=d.mtp_draft_vocab, help="draft vocabulary size for specdec-mtp")
@@ -1432,6 +1456,8 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
                     help="the target as a GGUF file, for llamacpp-plain (llama-cpp-python)")  # fmt: skip
     ap.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="specdec-eagle-tree: children per node")
     ap.add_argument("--tree-depth", type=int, default=d.tree_depth, help="specdec-eagle-tree: depth")
+    ap.add_argument("--tree-min-prob", type=float, default=d.tree_min_prob,
+                    help="specdec-eagle-tree-confident: verify only nodes of at least this path probability")  # fmt: skip
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--out", default=d.out, help="result name: <out-dir>/<out>-<stamp>.json")
     ap.add_argument("--out-dir", default=d.out_dir)

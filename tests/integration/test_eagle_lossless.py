@@ -39,7 +39,8 @@ POSITIONS = 4
 NUM_BATCHES = 4
 GREEDY_EVERY = 16
 CASES = [("t1.0", "stream"), ("t0.8-topk8-topp0.9", "stream"), ("t1.0", "seeded")]
-ALPHA = 1e-3 / (len(CASES) * len(statistics(POSITIONS)))
+# Family-wise 1e-3 over the cases and the test of trees sized by min_path_prob.
+ALPHA = 1e-3 / ((len(CASES) + 1) * len(statistics(POSITIONS)))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,23 @@ def _head(target) -> EagleHeadModel:
     return head.to(F64).eval().requires_grad_(False)
 
 
-def sample(models, sampling: str, mode: str) -> tuple[torch.Tensor, Generator]:
-    """[runs, 4] tokens emitted by the sampled requests; greedy ones ride along, checked."""
+def _peaky_head(target) -> EagleHeadModel:
+    """A random EAGLE-3 head whose own LM head is scaled up: confident drafts (top
+    probabilities ~0.3-0.9), so path probabilities spread over depths 1-3."""
+    torch.manual_seed(6)
+    cfg = EagleHeadConfig.for_target(target.config, EagleKind.EAGLE3, target_layers=(0, 1, target.config.num_layers))
+    head = EagleHeadModel(target, cfg)
+    with torch.no_grad():
+        head.lm_head.weight.mul_(3.0)
+    return head.to(F64).eval().requires_grad_(False)
+
+
+def sample(models, sampling: str, mode: str, min_path_prob: float = 0.0) -> tuple[torch.Tensor, Generator]:
+    """[runs, 4] tokens emitted by the sampled requests; greedy ones ride along, checked.
+    ``min_path_prob > 0``: the confident head of :func:`_peaky_head`, trees cut by the floor."""
     target = models[1]
-    eagle = EAGLETree.from_model(_head(target), None, top_k=3, depth=3, num_verify_tokens=21)
+    head = _peaky_head(target) if min_path_prob > 0 else _head(target)
+    eagle = EAGLETree.from_model(head, None, top_k=3, depth=3, num_verify_tokens=21, min_path_prob=min_path_prob)
     gen = Generator.from_components(
         target,
         proposer=eagle,
@@ -92,9 +106,9 @@ def sample(models, sampling: str, mode: str) -> tuple[torch.Tensor, Generator]:
     return torch.tensor(sampled), gen
 
 
-def pvalues(models, sampling: str, mode: str) -> tuple[dict[str, float], Generator]:
+def pvalues(models, sampling: str, mode: str, min_path_prob: float = 0.0) -> tuple[dict[str, float], Generator]:
     joint = _exact_joint(sampling, POSITIONS)
-    tokens, gen = sample(models, sampling, mode)
+    tokens, gen = sample(models, sampling, mode, min_path_prob)
     counts = torch.zeros(*[VOCAB] * POSITIONS, dtype=F64)
     counts.index_put_(tuple(tokens.T), torch.ones(len(tokens), dtype=F64), accumulate=True)
 
@@ -116,6 +130,19 @@ def test_eagle_tree_output_matches_the_target_distribution(models, sampling, mod
     # Trees were kept at every depth, and rejected too.
     assert len(m.accepted_per_position) == 3 and all(a > 20 for a in m.accepted_per_position), m
     assert m.num_emitted_in_verify / m.num_verify_steps < 3.5
+
+
+def test_trees_sized_by_min_path_prob_match_the_target_distribution(models):
+    """Trees cut to the nodes whose path probability under a confident head reaches 0.05: fewer
+    nodes, as many as the head's confidence allows each step, and still the target's
+    distribution."""
+    result, gen = pvalues(models, "t1.0", "stream", min_path_prob=0.05)
+    assert min(result.values()) > ALPHA, result
+    m = gen.metrics
+    assert 1.5 < m.num_drafted / m.num_verify_steps < 15, m  # 21 nodes without the floor
+    drafted, accepted = m.drafted_per_position, m.accepted_per_position
+    assert 0 < drafted[2] < 0.6 * drafted[0], m  # depth 3 reached on some steps only
+    assert accepted[0] > 20 and accepted[1] > 20, m
 
 
 def _judged_independently(p, tokens):

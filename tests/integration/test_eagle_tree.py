@@ -11,6 +11,7 @@ step every pool's K/V of the committed tokens is checked against a recomputation
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -25,6 +26,7 @@ from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import load_model, model_from_state_dict
 from specdec.proposers import EAGLETree
+from specdec.proposers.tree_shape import best_first
 from specdec.types import DraftProposal, ProposalKind, pad_rows
 
 F64 = torch.float64
@@ -109,6 +111,41 @@ def test_dynamic_tree_under_a_smaller_fixed_policy_verifies_the_best_nodes(targe
     gen = Generator.from_components(target, proposer=eagle, policy=FixedPolicy(5))
     assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
     assert max(widths) == 5
+
+
+@pytest.mark.parametrize("kind", [EagleKind.EAGLE1, EagleKind.EAGLE3], ids=["eagle1", "eagle3"])
+def test_trees_sized_by_min_path_prob_keep_greedy_output(targets, kind):
+    """Each sequence's tree holds only the nodes whose path probability reaches the floor (the
+    best node always): trees of several sizes within one batch and across steps, the same
+    output as plain decoding, every verified node at or above the floor, no page left."""
+    target = targets["qwen2"]
+    prompts = _prompts(6, seed=17)
+    plain = Generator.from_components(target).generate(prompts, GREEDY)
+    eagle = EAGLETree.from_model(random_eagle_head(target, kind, seed=2), None, min_path_prob=0.15)
+    sizes = []
+    real_grow = eagle._grow
+
+    def recording(*args, **kwargs):
+        trees = real_grow(*args, **kwargs)
+        for nodes in trees:
+            kept, _ = best_first(nodes, 8, eagle.shape.min_score)
+            assert all(math.exp(nodes[i].score) >= 0.15 for i in kept[1:])
+            sizes.append(len(kept))
+        return trees
+
+    eagle._grow = recording
+    gen = Generator.from_components(target, proposer=eagle, policy=FixedPolicy(8))
+    assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    assert min(sizes) == 1 and len(set(sizes)) > 2, sizes
+    drafted = gen.metrics.num_drafted / gen.metrics.num_verify_steps
+    assert drafted < 8  # the floor cut trees that FixedPolicy(8) alone would keep whole
+    stats = gen.kv_stats()
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
+def test_min_path_prob_is_checked_before_files_are_read():
+    with pytest.raises(ValueError, match=r"min_path_prob must be in \[0, 1\), got 1.5"):
+        EAGLETree.from_pretrained("no-such-head", min_path_prob=1.5)
 
 
 def test_ragged_batch_with_preemption(targets):

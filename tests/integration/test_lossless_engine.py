@@ -67,7 +67,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | lookup
+    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -96,6 +96,7 @@ CASES = [
     Case("t0.8-topk8-topp0.9", 3, "draft-vocab", "seeded"),
     Case("t1.0", 3, "draft-confident", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-confident", "seeded"),
+    Case("t1.0", 3, "mtp-confident", "stream"),
     Case("t1.0", 3, "draft", "stream", pages="tight"),
     Case("t0.8-topk8-topp0.9", 2, "mtp", "seeded", pages="tight"),
 ]
@@ -156,9 +157,13 @@ def _proposer(models, kind: str, k: int):
         return DraftModel.from_model(models[2], num_speculative_tokens=k, draft_vocab=[0, 1, 3, 4, 7, 9, 10])
     if kind == "lookup":
         return PromptLookup(num_speculative_tokens=k)
-    # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere).
+    # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere);
+    # "mtp-confident": chains end after a draft of head probability < 0.15.
     vocab = torch.tensor([0, 1, 3, 4, 7, 9, 10]) if kind == "mtp-vocab" else None
-    return MTPHead.from_model(build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab)
+    threshold = 0.15 if kind == "mtp-confident" else 0.0
+    return MTPHead.from_model(
+        build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab, confidence_threshold=threshold
+    )
 
 
 def _params(case: Case, seed: int | None) -> SamplingParams:
@@ -289,7 +294,7 @@ def test_generator_output_matches_the_target_distribution(models, case):
         assert 5 < accepted < 0.98 * drafted, (j, drafted, accepted)
     if case.policy == "random":
         assert len(m.k_histogram) == case.k + 1  # every k from 0 to k was chosen
-    if case.proposer == "draft-confident":  # chains of every length, the longer ones fewer
+    if case.proposer.endswith("-confident"):  # chains of every length, the longer ones fewer
         first, second, third = m.drafted_per_position
         assert first > 1.5 * second and second > 1.5 * third, m.drafted_per_position
 

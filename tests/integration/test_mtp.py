@@ -114,6 +114,40 @@ def test_mtp_greedy_exact_tiny_float64(tiny_target, k):
     assert stats["num_free_pages"] == stats["num_total_pages"]
 
 
+@pytest.mark.parametrize("threshold", [0.1, 0.3])
+def test_mtp_with_a_confidence_threshold_is_greedy_exact(tiny_target, threshold):
+    """Chains that end after a draft the head hesitates on (k = 4 a ceiling), ending at
+    different steps within one batch: the same output as plain decoding, chains of several
+    lengths, proposals no wider than the steps taken, and no page left behind."""
+    head = random_head(tiny_target, 3)
+    prompts = _prompts(103, 6, seed=21)
+    plain = Generator.from_components(tiny_target).generate(prompts, GREEDY)
+    proposer = MTPHead.from_model(head, num_speculative_tokens=4, confidence_threshold=threshold)
+    widths = []
+    real = proposer.propose
+
+    def recording(ctx):
+        out = real(ctx)
+        widths.append((out.width, max(out.num_draft_tokens)))
+        return out
+
+    proposer.propose = recording
+    gen = Generator.from_components(tiny_target, proposer=proposer, policy=4)
+    assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
+    drafted = gen.metrics.drafted_per_position
+    assert drafted[0] > drafted[-1] and len(set(drafted)) > 2, drafted  # chains of many lengths
+    assert all(width == longest for width, longest in widths)  # drafting stopped when all ended
+    stats = gen.kv_stats()
+    assert stats["num_free_pages"] == stats["num_total_pages"]
+
+
+def test_mtp_confidence_threshold_is_checked(tiny_target):
+    with pytest.raises(ValueError, match=r"confidence_threshold must be in \[0, 1\), got 1.0"):
+        MTPHead.from_pretrained("no-such-head", confidence_threshold=1.0)
+    with pytest.raises(ValueError, match=r"confidence_threshold must be in \[0, 1\), got -0.5"):
+        MTPHead.from_model(random_head(tiny_target, 3), confidence_threshold=-0.5)
+
+
 def test_mtp_greedy_exact_inside_sampled_batch(tiny_target):
     head = random_head(tiny_target, 4)
     prompts = _prompts(103, 4, seed=7)

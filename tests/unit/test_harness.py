@@ -9,10 +9,13 @@ import pytest
 from benchmarks import harness
 
 SYSTEMS = [
-    "specdec-plain", "specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-eagle",
-    "specdec-eagle-tree", "hf-plain", "hf-assisted",
+    "specdec-plain", "specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-mtp-confident", "specdec-eagle",
+    "specdec-eagle-tree", "specdec-eagle-tree-confident", "hf-plain", "hf-assisted",
 ]  # fmt: skip
-SPECULATIVE = {"specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-eagle", "specdec-eagle-tree", "hf-assisted"}
+SPECULATIVE = {
+    "specdec-draft", "specdec-lookup", "specdec-mtp", "specdec-mtp-confident", "specdec-eagle", "specdec-eagle-tree",
+    "specdec-eagle-tree-confident", "hf-assisted",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

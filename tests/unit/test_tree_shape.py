@@ -3,6 +3,9 @@ its growth rule: pruning for the nodes that will be kept changes nothing that is
 
 from __future__ import annotations
 
+import math
+
+import attrs
 import pytest
 import torch
 
@@ -75,3 +78,49 @@ def test_negative_control_pruning_one_node_too_many_changes_the_kept_nodes():
         for keep in range(2, 9)
     )
     assert differs > 0
+
+
+def _cut(nodes: list[Node], keep: int, min_prob: float) -> list[tuple[int, ...]]:
+    """Reference for min_path_prob: the ``keep`` best nodes of the full tree, then every node past
+    the best whose path probability is below ``min_prob`` dropped."""
+    kept, _ = best_first(nodes, keep)
+    return [nodes[i].ranks for j, i in enumerate(kept) if j == 0 or math.exp(nodes[i].score) >= min_prob]
+
+
+@pytest.mark.parametrize("min_prob", [0.01, 0.05, 0.2, 0.5])
+@pytest.mark.parametrize(("top_k", "depth"), [(4, 5), (2, 5), (3, 3)])
+def test_min_path_prob_keeps_the_confident_nodes_of_the_full_tree_with_fewer_head_rows(top_k, depth, min_prob):
+    """Growth that never expands a node below the floor, cut by ``best_first``'s floor, keeps
+    exactly the full tree's best nodes that reach the floor (the best one always), parents
+    first; it expands no more nodes, and trees of several sizes come out."""
+    full_shape = TreeShape(top_k=top_k, depth=depth, num_verify_tokens=MAX_SPECULATIVE_TOKENS)
+    shape = attrs.evolve(full_shape, min_path_prob=min_prob)
+    sizes, saved = set(), 0
+    for seed in range(40):
+        for keep in (1, 2, 4, 8, 16):
+            full, full_rows = _grow(full_shape, keep, seed, min(depth, keep))
+            nodes, rows = _grow(shape, keep, seed, min(depth, keep))
+            kept, parents = best_first(nodes, keep, shape.min_score)
+            assert [nodes[i].ranks for i in kept] == _cut(full, keep, min_prob), (seed, keep)
+            assert all(p < j for j, p in enumerate(parents))  # a tree, parents first
+            assert rows <= full_rows
+            saved += full_rows - rows
+            sizes.add(len(kept))
+    assert len(sizes) >= 2 and saved > 0
+
+
+def test_negative_control_a_floor_applied_to_growth_only_keeps_unconfident_nodes():
+    """The check above notices a floor that prunes growth but not the verified nodes."""
+    shape = TreeShape(top_k=4, depth=5, num_verify_tokens=MAX_SPECULATIVE_TOKENS, min_path_prob=0.2)
+    differs = 0
+    for seed in range(20):
+        nodes, _ = _grow(shape, 8, seed, 5)
+        kept, _ = best_first(nodes, 8)  # the bug: no floor on what is verified
+        differs += [nodes[i].ranks for i in kept] != _cut(nodes, 8, 0.2)
+    assert differs > 0
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, 2, float("nan")])
+def test_min_path_prob_is_checked(bad):
+    with pytest.raises(ValueError, match=r"min_path_prob must be (in \[0, 1\)|finite)"):
+        TreeShape(min_path_prob=bad)

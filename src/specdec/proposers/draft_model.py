@@ -35,6 +35,7 @@ from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.models.quantized import check_quantization
 from specdec.models.sub_vocab import SubVocabHead, check_token_ids
+from specdec.proposers.confidence import chains_end
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
@@ -154,7 +155,7 @@ class DraftModel:
                 probs.append(step_probs)
             drafted.append(tokens)
             starts = [s + len(r) for s, r in zip(starts, rows)]
-            if threshold > 0 and _chains_end(logits, picked, threshold, step, num_draft):
+            if threshold > 0 and chains_end(logits, picked, threshold, step, num_draft):
                 break
             if step + 1 < k:  # the next step feeds these drafts without reading them back
                 rows, fed = [[0]] * len(rows), tokens
@@ -200,17 +201,3 @@ class DraftModel:
     def release(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
 
-
-def _chains_end(
-    logits: torch.Tensor,  # [batch, vocab] the draft's raw logits at this step
-    tokens: torch.Tensor,  # [batch] the tokens drafted from them
-    threshold: float,
-    step: int,
-    num_draft: list[int],  # updated in place: a chain ending here keeps step + 1 drafts
-) -> bool:
-    """End the chains whose token has draft probability below ``threshold``; whether all ended."""
-    confidence = (logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).exp()
-    for i, low in enumerate((confidence < threshold).tolist()):
-        if low and num_draft[i] > step + 1:
-            num_draft[i] = step + 1
-    return all(n <= step + 1 for n in num_draft)

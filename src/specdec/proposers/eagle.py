@@ -48,7 +48,9 @@ class EAGLETree:
 
     ``tree``: a list of paths for a static tree; ``None`` for the dynamic tree of ``top_k``,
     ``depth`` and ``num_verify_tokens`` draft nodes. ``num_speculative_tokens`` is the tree's
-    node count; ``FixedPolicy(n)`` verifies the ``n`` best nodes of each tree.
+    node count; ``FixedPolicy(n)`` verifies the ``n`` best nodes of each tree. ``min_path_prob``
+    in [0, 1) verifies only the nodes whose path probability under the head reaches it (the best
+    node always; n is then a ceiling): :class:`~specdec.proposers.tree_shape.TreeShape`.
 
     ``from_pretrained`` reads and checks the head's files at once; the weights are placed on the
     target when a Generator attaches the proposer (the head borrows the target's embedding, and
@@ -85,13 +87,16 @@ class EAGLETree:
         num_verify_tokens: int = 16,
         target_layers: tuple[int, ...] | None = None,
         quantization: str | None = None,
+        min_path_prob: float = 0.0,
     ) -> EAGLETree:
         """A head directory (specdec's format, or a public EAGLE-1/2 or EAGLE-3 checkpoint with
         ``config.json`` + ``model.safetensors``). ``target_layers`` overrides the target layers a
         public EAGLE-3 head feeds on. ``quantization``: ``"int8"`` or ``"q4"`` stores the head's
         linear layers in that format on a CPU (cheaper head forwards; output unchanged)."""
+        shape = TreeShape(
+            paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens, min_path_prob=min_path_prob
+        )
         check_quantization(quantization, "cpu")  # the value; the device is checked on loading
-        shape = TreeShape(paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens)
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors"):
             if not (path / name).is_file():
@@ -107,8 +112,11 @@ class EAGLETree:
         top_k: int = 4,
         depth: int = 5,
         num_verify_tokens: int = 16,
+        min_path_prob: float = 0.0,
     ) -> EAGLETree:
-        shape = TreeShape(paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens)
+        shape = TreeShape(
+            paths=tree, top_k=top_k, depth=depth, num_verify_tokens=num_verify_tokens, min_path_prob=min_path_prob
+        )
         return cls(shape, head=head)
 
     @property
@@ -160,7 +168,7 @@ class EAGLETree:
                 trees[i] = nodes
         tokens, parents = [], []
         for nodes in trees:
-            kept, kept_parents = best_first(nodes, n)
+            kept, kept_parents = best_first(nodes, n, self.shape.min_score)
             tokens.append([nodes[j].token for j in kept])
             parents.append(kept_parents)
         return DraftProposal(
@@ -196,15 +204,17 @@ class EAGLETree:
             else:
                 for e, plan in zip(expanded, plans):
                     e.extend(i for i, _ in plan)
-                self._head_rows(seq_ids, roots, trees, expanded, root_g, outputs, kv, backend)
+                growing = [b for b, plan in enumerate(plans) if plan]  # the others are done
+                self._head_rows(growing, seq_ids, roots, trees, expanded, root_g, outputs, kv, backend)
                 g = torch.stack([out[i] for out, plan in zip(outputs, plans) for i, _ in plan])
                 logits = head.draft_logits(g)  # [expanded this depth, draft vocab]
             _add_children(trees, plans, logits, ids, depth)
         return trees
 
-    def _head_rows(self, seq_ids, roots, trees, expanded, root_g, outputs, kv, backend) -> None:
-        """One head forward over every expanded node of every sequence, tree-masked; each
-        node's output goes to ``outputs``.
+    def _head_rows(self, growing, seq_ids, roots, trees, expanded, root_g, outputs, kv, backend) -> None:
+        """One head forward over every expanded node of the sequences ``growing`` (batch
+        indices: those with nodes to expand at this depth), tree-masked; each node's output
+        goes to ``outputs``.
 
         Row ``r`` of a sequence is its ``r``-th expanded node, at slot ``root + r`` and RoPE
         position ``root + depth - 1``, fed its parent's output (the root's: ``g``). Nodes
@@ -213,7 +223,8 @@ class EAGLETree:
         """
         head = self.head
         features, tokens, positions, masks = [], [], [], []
-        for b, (nodes, e, root) in enumerate(zip(trees, expanded, roots)):
+        for b in growing:
+            nodes, e, root = trees[b], expanded[b], roots[b]
             row_of = {node: r for r, node in enumerate(e)}
             row_parents = [row_of.get(nodes[j].parent, -1) for j in e]
             features.extend(root_g[b] if nodes[j].parent < 0 else outputs[b][nodes[j].parent] for j in e)
@@ -221,13 +232,18 @@ class EAGLETree:
             positions.append([root + nodes[j].depth - 1 for j in e])
             masks.append(tree_mask(row_parents, len(e))[1:, 1:])  # ancestors and self, no root
         layout = kv.layout(
-            seq_ids, tokens, roots, positions=positions, tree_masks=masks, device=head.device
+            [seq_ids[b] for b in growing],
+            tokens,
+            [roots[b] for b in growing],
+            positions=positions,
+            tree_masks=masks,
+            device=head.device,
         )
         plan = backend.plan(layout, head.attention_spec)
         g = head(torch.stack(features), layout.token_ids, layout.positions, kv, backend, plan)
         rows = iter(g)
-        for b, e in enumerate(expanded):
-            for j in e:
+        for b in growing:
+            for j in expanded[b]:
                 outputs[b][j] = next(rows)
 
     # ------------------------------------------------------ following the target

@@ -11,7 +11,9 @@ predicts the token after the last emitted one (draft 1). Each step:
   committed token after it. This overwrites the draft-time KV with states computed from the
   target's (more accurate) hidden states, and yields the new ``g``.
 
-Verification and sampling are the chain verifier's and the sampler's. The head's KV pages come
+With ``confidence_threshold`` a sequence's chain ends after the first draft the head gives less
+than that probability, as the draft model's does (:mod:`specdec.proposers.confidence`): k is
+then a ceiling. Verification and sampling are the chain verifier's and the sampler's. The head's KV pages come
 from the generator's shared allocator (same page ids as the target, its own one-layer pool).
 """
 
@@ -23,13 +25,14 @@ from pathlib import Path
 import attrs
 import torch
 
-from specdec.config import speculative_tokens
+from specdec.config import speculative_tokens, unit_interval_closed_open
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
 from specdec.models.llama import LlamaModel
 from specdec.models.quantized import check_quantization, quantize_linears
 from specdec.models.sub_vocab import SubVocabHead
+from specdec.proposers.confidence import chains_end
 from specdec.sampling import processed_probs, sample_from_probs, shift_rows
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
@@ -39,6 +42,7 @@ __all__ = ["MTPHead", "MTPHeadProposerConfig"]
 @attrs.frozen(kw_only=True)
 class MTPHeadProposerConfig:
     num_speculative_tokens: int = attrs.field(default=1, validator=speculative_tokens)
+    confidence_threshold: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
 
 
 class MTPHead:
@@ -86,13 +90,17 @@ class MTPHead:
         num_speculative_tokens: int = 1,
         draft_vocab_size: int | None = None,
         quantization: str | None = None,
+        confidence_threshold: float = 0.0,
     ) -> MTPHead:
         """``draft_vocab_size``: draft only from this many of the tokens most frequent in the
         head's training data (``draft_vocab.safetensors`` beside the head); ``None``: all.
         ``quantization``: ``"int8"`` or ``"q4"`` stores the head's linear layers (and its
         draft-vocabulary rows of the LM head) in that format on a CPU: cheaper drafts, the same
-        output."""
-        config = MTPHeadProposerConfig(num_speculative_tokens=num_speculative_tokens)  # validate first
+        output. ``confidence_threshold`` in [0, 1): end a chain after a draft the head gives less
+        than this probability (0: always k drafts)."""
+        config = MTPHeadProposerConfig(
+            num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
+        )  # validated first
         check_quantization(quantization, "cpu")  # the value; the device is checked on loading
         path = Path(path).expanduser()
         for name in ("config.json", "model.safetensors"):
@@ -107,9 +115,16 @@ class MTPHead:
 
     @classmethod
     def from_model(
-        cls, head: MTPHeadModel, *, num_speculative_tokens: int = 1, draft_vocab: torch.Tensor | None = None
+        cls,
+        head: MTPHeadModel,
+        *,
+        num_speculative_tokens: int = 1,
+        draft_vocab: torch.Tensor | None = None,
+        confidence_threshold: float = 0.0,
     ) -> MTPHead:
-        config = MTPHeadProposerConfig(num_speculative_tokens=num_speculative_tokens)
+        config = MTPHeadProposerConfig(
+            num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
+        )
         return cls(config, head=head, draft_vocab=draft_vocab)
 
     @property
@@ -154,6 +169,7 @@ class MTPHead:
         # The drafts stay on the device: each step's layout takes the previous step's tokens as
         # they are, so drafting reads nothing back (the engine reads the whole proposal once).
         draft_ids = torch.full((batch, k), PAD_TOKEN_ID, dtype=torch.int64, device=ctx.device)
+        num_draft = [0] * batch
         if live:
             seq_ids = [ctx.seq_ids[i] for i in live]
             gens = [ctx.generators[i] for i in live]
@@ -163,6 +179,8 @@ class MTPHead:
             spec = self.head.target_config.attention_spec
             tokens = torch.empty(0, dtype=torch.int64)  # [live] the previous position's drafts
             columns: list[torch.Tensor] = []  # steps x [live] int64
+            threshold = self.config.confidence_threshold
+            ends = [k] * len(live)  # where each live chain ends
             for j in range(k):
                 if j > 0:  # feed the head its own output and the draft just made
                     placeholder = [[0]] * len(seq_ids)  # token ids come from the device below
@@ -180,13 +198,23 @@ class MTPHead:
                     tokens = sample_from_probs(step_probs, shift_rows(gens, j))
                     probs_out[live, j] = step_probs.to(probs_out.dtype)
                 columns.append(tokens)
+                # The column drafted is the token itself: the logits span the whole vocabulary.
+                if threshold > 0 and chains_end(logits, tokens, threshold, j, ends):
+                    break
+            # The proposal is as wide as the steps taken (the policy prices drafting by them).
+            steps = len(columns)
+            draft_ids = draft_ids[:, :steps].contiguous()
+            probs_out = None if probs_out is None else probs_out[:, :steps].contiguous()
             rows = torch.tensor(live, dtype=torch.int64, device=ctx.device)
-            draft_ids[rows] = torch.stack(columns, dim=1).to(ctx.device)
-        live_rows = set(live)
+            drafted = torch.stack(columns, dim=1)  # [live, steps]
+            ended = torch.arange(steps).unsqueeze(0) >= torch.tensor(ends).unsqueeze(1)  # [live, steps]
+            draft_ids[rows] = drafted.masked_fill(ended.to(drafted.device), PAD_TOKEN_ID).to(ctx.device)
+            for i, n in zip(live, ends):
+                num_draft[i] = n
         return DraftProposal(
             kind=ProposalKind.CHAIN,
             draft_token_ids=draft_ids,
-            num_draft_tokens=tuple(k if i in live_rows else 0 for i in range(batch)),
+            num_draft_tokens=tuple(num_draft),
             draft_probs=probs_out,
         )
 

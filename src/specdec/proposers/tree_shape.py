@@ -17,6 +17,14 @@ A child never scores above its parent (log-probabilities are <= 0), so ranking a
 order is a tree. That order is the proposal's node order, so a policy asking for ``n`` nodes
 gets the ``n`` best (:func:`best_first`).
 
+``min_path_prob`` sizes each step's tree by the draft's own confidence: only nodes whose path
+probability under the draft (``exp(score)``) reaches it are verified, the best node always, and
+growth never expands a node below it (its children score lower still). Where the draft is sure
+a step verifies a deep tree, where it hesitates one node: the verify rows and head forwards a
+fixed size spends on nodes the target rarely keeps are saved (a node's path probability is
+about how often it is kept, for a calibrated draft: EAGLE-2's observation). The rule reads the
+draft's scores only, so verification stays exact.
+
 Example:
     >>> shape = TreeShape.static([[0], [1], [0, 0]])
     >>> shape.num_nodes, shape.max_depth
@@ -25,11 +33,12 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
 
-from specdec.config import MAX_SPECULATIVE_TOKENS
+from specdec.config import MAX_SPECULATIVE_TOKENS, unit_interval_closed_open
 
 __all__ = ["Node", "TreeShape", "best_first", "expansions"]
 
@@ -50,12 +59,15 @@ def _positive(instance: object, attribute: attrs.Attribute, value: object) -> No
 
 @attrs.frozen(kw_only=True)
 class TreeShape:
-    """A static tree (``paths``) or the dynamic rule (``top_k``, ``depth``, ``num_verify_tokens``)."""
+    """A static tree (``paths``) or the dynamic rule (``top_k``, ``depth``, ``num_verify_tokens``);
+    ``min_path_prob`` in [0, 1): the least path probability of a verified node (the best node is
+    always verified; 0: every node of the size asked for)."""
 
     paths: tuple[tuple[int, ...], ...] | None = attrs.field(default=None, converter=_paths)
     top_k: int = attrs.field(default=4, validator=_positive)
     depth: int = attrs.field(default=5, validator=_positive)
     num_verify_tokens: int = attrs.field(default=16, validator=_positive)
+    min_path_prob: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
 
     def __attrs_post_init__(self) -> None:
         if self.paths is not None:
@@ -98,6 +110,11 @@ class TreeShape:
     @property
     def max_depth(self) -> int:
         return max(len(p) for p in self.paths) if self.paths is not None else self.depth
+
+    @property
+    def min_score(self) -> float:
+        """The least score (summed log-probability) of a node past the best: ``log(min_path_prob)``."""
+        return math.log(self.min_path_prob) if self.min_path_prob > 0 else float("-inf")
 
     @property
     def max_expanded(self) -> int:
@@ -147,12 +164,15 @@ def expansions(
     worse. The kept nodes are the same as without ``keep`` (every node that ranks above a
     skipped one's children still exists, so the frontiers agree on the nodes that matter)
     while the head runs fewer rows, and no depth at all once nothing can be kept below it.
+    Nodes scoring below ``shape.min_score`` are not expanded either: no child of theirs can be
+    verified.
     """
     if depth == 1:
         if shape.paths is not None:
             return [(-1, sorted(p[0] for p in shape.paths if len(p) == 1))]
         return [(-1, list(range(shape.top_k)))]
-    previous = [i for i, node in enumerate(nodes) if node.depth == depth - 1]
+    floor = shape.min_score
+    previous = [i for i, node in enumerate(nodes) if node.depth == depth - 1 and node.score >= floor]
     if shape.paths is not None:
         wanted: dict[tuple[int, ...], list[int]] = {}
         for p in shape.paths:
@@ -174,11 +194,16 @@ def _ranked(nodes: Sequence[Node]) -> list[int]:
     )
 
 
-def best_first(nodes: Sequence[Node], n: int) -> tuple[list[int], list[int]]:
+def best_first(
+    nodes: Sequence[Node], n: int, min_score: float = float("-inf")
+) -> tuple[list[int], list[int]]:
     """The ``n`` best nodes, parents first: their indices into ``nodes``, and each one's
     parent as an index into that list (-1: the root). Nodes scoring ``-inf`` (tokens the draft
-    rules out) are never kept."""
+    rules out) are never kept, nor nodes past the best scoring below ``min_score`` (a prefix of
+    the order: a parent never scores below its child)."""
     kept = _ranked(nodes)[:n]
+    while len(kept) > 1 and nodes[kept[-1]].score < min_score:
+        kept.pop()
     position = {node: j for j, node in enumerate(kept)}
     parents = [-1 if nodes[i].parent < 0 else position[nodes[i].parent] for i in kept]
     return kept, parents
