@@ -10,10 +10,8 @@ valid length is cut to the target's committed length, and stale slots are simply
 
 With ``confidence_threshold`` a sequence's chain ends at the first draft token the draft itself
 gives less than that probability (the token is still proposed), and drafting stops when every
-sequence's chain has ended: k is then a ceiling. Where the draft hesitates the target usually
-disagrees, so the forwards saved cost little acceptance (the dynamic draft length of
-transformers' assisted generation and of SpecDec++). The stopping rule reads the draft's
-distribution only, never the target's, so the verifiers stay exact.
+sequence's chain has ended: k is then a ceiling (the rule and why it stays exact:
+:mod:`specdec.proposers.confidence`).
 
 With ``draft_vocab`` (token ids, e.g. the most frequent ones of a corpus:
 :func:`specdec.models.sub_vocab.frequent_token_ids`) the draft's LM head computes those tokens'

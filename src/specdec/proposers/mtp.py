@@ -199,6 +199,8 @@ class MTPHead:
                     probs_out[live, j] = step_probs.to(probs_out.dtype)
                 columns.append(tokens)
                 # The column drafted is the token itself: the logits span the whole vocabulary.
+                # (The rule reads each step's confidences back: the one host read drafting makes,
+                # and only with a threshold.)
                 if threshold > 0 and chains_end(logits, tokens, threshold, j, ends):
                     break
             # The proposal is as wide as the steps taken (the policy prices drafting by them).
