@@ -71,7 +71,13 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", action="append", default=[], help="text file, directory or glob (repeatable)")
     p.add_argument("--self-distill", type=int, default=0, metavar="N", help="train on N sampled generations of the target")
     p.add_argument("--distill-prompt", action="append", default=[], help="prompt for self-distillation (repeatable; default BOS)")
-    p.add_argument("--distill-tokens", type=int, default=256)
+    p.add_argument("--distill-prompts", default=None, metavar="FILE",
+                   help="JSON-lines file of self-distillation prompts (strings, token-id lists or {\"prompt\": ...})")
+    p.add_argument("--distill-tokens", type=int, default=256, help="new tokens per generation (at most, with --distill-stop-at-eos)")
+    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--distill-batch-size", type=int, default=None, help="generations run at once (default 64; 16 for a CPU model of 100M parameters or more)")
+    p.add_argument("--distill-stop-at-eos", action="store_true",
+                   help="end a generation at end-of-sequence and join them before cutting chunks")
     p.add_argument("--chunk-len", type=int, default=256)
     p.add_argument("--max-chunks", type=int, default=None)
     p.add_argument("--max-bytes", type=int, default=None)
@@ -95,7 +101,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
     """``(config fields, pipeline keywords)`` the shared training flags map to; the data flags
     become one ``TrainData`` (validated here, before any model is loaded)."""
-    from specdec.training.data import TrainData
+    from specdec.training.data import TrainData, read_prompts
 
     config = dict(
         steps=args.steps,
@@ -110,8 +116,11 @@ def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
     data = TrainData(
         files=args.data,
         self_distill_samples=args.self_distill,
-        distill_prompts=args.distill_prompt,
+        distill_prompts=[*args.distill_prompt, *(read_prompts(args.distill_prompts) if args.distill_prompts else [])],
         distill_tokens=args.distill_tokens,
+        distill_temperature=args.distill_temperature,
+        distill_batch_size=args.distill_batch_size,
+        distill_stop_at_eos=args.distill_stop_at_eos,
         chunk_len=args.chunk_len,
         max_chunks=args.max_chunks,
         max_bytes=args.max_bytes,

@@ -4,6 +4,7 @@ exactly), and the CLI end to end on stories260K."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import attrs
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from specdec import Generator, SamplingParams
 from specdec.cli import main
+from specdec.generator import load_tokenizer
 from specdec.models.loading import load_model
 from specdec.proposers import MTPHead
 from specdec.training import (
@@ -18,11 +20,13 @@ from specdec.training import (
     TrainData,
     build_chunks,
     compute_features,
+    read_prompts,
     text_files,
     token_chunks,
     train_mtp,
 )
 from specdec.training import features as features_module
+from specdec.training.data import _pack, default_distill_batch
 from specdec.training.mtp import measure_acceptance, new_head
 
 
@@ -119,11 +123,55 @@ def test_train_data_held_out_prompts_and_bad_input(stories_f32, tmp_path):
     with pytest.raises(ValueError, match="files .* or self_distill_samples"):
         TrainData()
     for bad in (dict(chunk_len=1), dict(max_chunks=0), dict(val_tokens=-2), dict(self_distill_samples=-1),
-                dict(distill_tokens=0), dict(max_bytes=True)):
+                dict(distill_tokens=0), dict(max_bytes=True), dict(distill_batch_size=0),
+                dict(distill_temperature="hot"), dict(distill_temperature=-0.5), dict(distill_stop_at_eos="yes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TrainData(files=["a"], **bad)
     with pytest.raises(ValueError, match="only 4 chunks"):
         build_chunks(stories_f32, CharTokenizer(), attrs.evolve(data, chunk_len=100))
+
+
+def test_self_distill_stopping_at_eos_packs_seeded_generations(stories_f32, stories_path):
+    tokenizer = load_tokenizer(stories_path)
+    prompts = ["Once upon a time", [1, 403, 300], "The dog"]  # text and token ids may mix
+    data = TrainData(self_distill_samples=14, distill_prompts=prompts, distill_tokens=40, distill_temperature=0.8,
+                     distill_stop_at_eos=True, chunk_len=48, distill_batch_size=3)  # fmt: skip
+    chunks, held_out = build_chunks(stories_f32, tokenizer, data)
+    stream = [t for c in [*chunks, *held_out] for t in c]
+    assert len(chunks) >= 2 and all(len(c) == 48 for c in chunks)  # packed: chunks cross generations
+    first = tokenizer.encode("Once upon a time")
+    assert stream[: len(first)] == first  # the first generation starts the stream
+    assert 1 in stream[len(first) + 1 :]  # a later generation's BOS: they were joined, not cut one by one
+    # each sample has its own seed, so the batch that ran it does not change what it generated
+    for batch in (1, 8, None):
+        assert build_chunks(stories_f32, tokenizer, attrs.evolve(data, distill_batch_size=batch))[0] == chunks
+
+
+def test_default_distill_batch_follows_the_model_and_device(stories_f32):
+    assert default_distill_batch(stories_f32) == 64  # a tiny model: its steps are overhead a batch shares
+    big = [torch.empty(100_000_000, device="meta")]
+    assert default_distill_batch(SimpleNamespace(device=torch.device("cpu"), parameters=lambda: big)) == 16
+    assert default_distill_batch(SimpleNamespace(device=torch.device("meta"), parameters=lambda: big)) == 64
+
+
+def test_pack_separates_sequences_once_and_cuts_exact_chunks():
+    assert _pack([[5, 6, 2], [7, 8, 9], [], [3]], 3, separator_id=2) == [[5, 6, 2], [7, 8, 9], [2, 3, 2]]
+    assert _pack([[5, 6, 2], [7]], 2, separator_id=2) == [[5, 6], [2, 7]]  # no second separator after 2
+    assert _pack([[5, 6], [7]], 2, separator_id=None) == [[5, 6]]
+
+
+def test_read_prompts_accepts_text_ids_and_objects(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"def f():"\n\n[1, 2, 3]\n{"prompt": "x = 1"}\n{"prompt": [4]}\n')
+    assert read_prompts(path) == ["def f():", [1, 2, 3], "x = 1", [4]]
+    for text, why in (('"a"\n{"text": "b"}\n', ":2: a prompt must be"), ('"a"\nnot json\n', ":2: not JSON"),
+                      ('""\n', ":1: a prompt must be"), ("[1, -2]\n", ":1: a prompt"), ("[true]\n", ":1: a prompt"),
+                      ("\n", "holds no prompt")):  # fmt: skip
+        path.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            read_prompts(path)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_prompts(tmp_path / "missing.jsonl")
 
 
 def test_bad_training_config():
@@ -139,13 +187,18 @@ def test_bad_training_config():
 
 def test_cli_trains_a_head_that_generates_exactly(stories_path, tmp_path, capsys):
     out = tmp_path / "head"
+    (tmp_path / "prompts.jsonl").write_text('"Once upon a time"\n{"prompt": [1, 450]}\n')
     rc = main([
         "train-mtp", "--target", str(stories_path), "--out", str(out), "--self-distill", "24",
         "--distill-tokens", "128", "--chunk-len", "64", "--steps", "20", "--batch-size", "4",
-        "--val-every", "10", "--dtype", "float32", "--val-tokens", "16",
+        "--val-every", "10", "--dtype", "float32", "--val-tokens", "16", "--distill-prompt", "The cat",
+        "--distill-prompts", str(tmp_path / "prompts.jsonl"), "--distill-temperature", "0.9",
+        "--distill-batch-size", "5", "--distill-stop-at-eos",
     ])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["data"]["distill_prompts"] == ["The cat", "Once upon a time", [1, 450]]
+    assert summary["data"]["distill_temperature"] == 0.9 and summary["data"]["distill_stop_at_eos"] is True
     assert summary["steps"] == 20 and set(summary["held_out_acceptance"]) == {"k=1", "k=2", "k=3"}
     assert "val_acceptance_rate" in json.loads((out / "train_log.json").read_text())["history"][9]
     assert "held-out greedy k=1" in capsys.readouterr().out

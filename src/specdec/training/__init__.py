@@ -1,6 +1,13 @@
 """Training pipelines for proposer heads (MTP and EAGLE share the data, features and loop)."""
 
-from specdec.training.data import TrainData, build_chunks, self_distill, text_files, token_chunks
+from specdec.training.data import (
+    TrainData,
+    build_chunks,
+    read_prompts,
+    self_distill,
+    text_files,
+    token_chunks,
+)
 from specdec.training.eagle import EagleTrainConfig, EagleTrainResult, train_eagle
 from specdec.training.features import FeatureStore, compute_features
 from specdec.training.mtp import MTPTrainConfig, MTPTrainResult, train_mtp
@@ -14,6 +21,7 @@ __all__ = [
     "TrainData",
     "build_chunks",
     "compute_features",
+    "read_prompts",
     "self_distill",
     "text_files",
     "token_chunks",
