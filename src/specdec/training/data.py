@@ -80,7 +80,6 @@ def build_chunks(model: object, tokenizer: object, data: TrainData) -> tuple[lis
     """``(training chunks, held-out prompts)`` for ``data``: text files and/or the target's own
     generations (``model`` is the target); the last NUM_VAL_PROMPTS chunks are held out and their
     beginnings are the prompts unless ``data.val_prompts`` names others."""
-
     chunks: list[list[int]] = []
     if data.files:
         texts = text_files(data.files, max_bytes=data.max_bytes)
