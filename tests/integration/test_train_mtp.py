@@ -26,7 +26,7 @@ from specdec.training import (
     train_mtp,
 )
 from specdec.training import features as features_module
-from specdec.training.data import _pack, default_distill_batch
+from specdec.training.data import default_distill_batch, pack_chunks
 from specdec.training.mtp import measure_acceptance, new_head
 
 
@@ -155,9 +155,9 @@ def test_default_distill_batch_follows_the_model_and_device(stories_f32):
 
 
 def test_pack_separates_sequences_once_and_cuts_exact_chunks():
-    assert _pack([[5, 6, 2], [7, 8, 9], [], [3]], 3, separator_id=2) == [[5, 6, 2], [7, 8, 9], [2, 3, 2]]
-    assert _pack([[5, 6, 2], [7]], 2, separator_id=2) == [[5, 6], [2, 7]]  # no second separator after 2
-    assert _pack([[5, 6], [7]], 2, separator_id=None) == [[5, 6]]
+    assert pack_chunks([[5, 6, 2], [7, 8, 9], [], [3]], chunk_len=3, separator_id=2) == [[5, 6, 2], [7, 8, 9], [2, 3, 2]]
+    assert pack_chunks([[5, 6, 2], [7]], chunk_len=2, separator_id=2) == [[5, 6], [2, 7]]  # no second separator after 2
+    assert pack_chunks([[5, 6], [7]], chunk_len=2, separator_id=None) == [[5, 6]]
 
 
 def test_read_prompts_accepts_text_ids_and_objects(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-__all__ = ["TrainData", "build_chunks", "text_files", "token_chunks", "self_distill", "read_prompts"]
+__all__ = ["TrainData", "build_chunks", "text_files", "token_chunks", "pack_chunks", "self_distill", "read_prompts"]
 
 NUM_VAL_PROMPTS = 8  # held-out chunks whose beginnings are the acceptance prompts
 VAL_PROMPT_TOKENS = 48
@@ -90,7 +90,7 @@ def build_chunks(model: object, tokenizer: object, data: TrainData) -> tuple[lis
         n = data.chunk_len
         if data.distill_stop_at_eos:
             eos = next(iter(model.config.eos_token_ids), None)
-            chunks += _pack(sequences, n, separator_id=eos)
+            chunks += pack_chunks(sequences, chunk_len=n, separator_id=eos)
         else:
             chunks += [s[j : j + n] for s in sequences for j in range(0, len(s) - n + 1, n)]
     if len(chunks) < NUM_VAL_PROMPTS + 2:
@@ -129,17 +129,6 @@ def default_distill_batch(model: object) -> int:
     if model.device.type != "cpu":
         return 64
     return 16 if sum(p.numel() for p in model.parameters()) >= 100_000_000 else 64
-
-
-def _pack(sequences: Iterable[list[int]], chunk_len: int, *, separator_id: int | None) -> list[list[int]]:
-    """Join ``sequences`` into one stream (``separator_id`` after each that does not already
-    end with it) and cut it into chunks of exactly ``chunk_len`` tokens (the remainder dropped)."""
-    stream: list[int] = []
-    for seq in filter(None, sequences):
-        stream += seq
-        if separator_id is not None and seq[-1] != separator_id:
-            stream.append(separator_id)
-    return [stream[j : j + chunk_len] for j in range(0, len(stream) - chunk_len + 1, chunk_len)]
 
 
 def read_prompts(path: str | Path) -> list[str | list[int]]:
@@ -217,12 +206,28 @@ def token_chunks(
 ) -> list[list[int]]:
     """Tokenize ``texts``, join them (``separator_id`` between texts when given) and cut the
     stream into chunks of exactly ``chunk_len`` tokens (the remainder is dropped)."""
+    encoded = (tokenizer.encode(text, add_special_tokens=False) for text in texts)  # lazily: max_chunks stops early
+    return pack_chunks(encoded, chunk_len=chunk_len, max_chunks=max_chunks, separator_id=separator_id)
+
+
+def pack_chunks(
+    sequences: Iterable[Sequence[int]],
+    *,
+    chunk_len: int,
+    max_chunks: int | None = None,
+    separator_id: int | None = None,
+) -> list[list[int]]:
+    """Join token ``sequences`` into one stream (``separator_id`` after each that does not
+    already end with it; empty ones skipped) and cut it into chunks of exactly ``chunk_len``
+    tokens (the remainder is dropped), stopping after ``max_chunks``."""
     if not isinstance(chunk_len, int) or chunk_len < 2:
         raise ValueError(f"chunk_len must be an int >= 2, got {chunk_len!r}")
     chunks, buf = [], []
-    for text in texts:
-        buf.extend(tokenizer.encode(text, add_special_tokens=False))
-        if separator_id is not None:
+    for seq in sequences:
+        if not seq:
+            continue
+        buf.extend(seq)
+        if separator_id is not None and seq[-1] != separator_id:
             buf.append(separator_id)
         while len(buf) >= chunk_len:
             chunks.append(buf[:chunk_len])
