@@ -26,7 +26,7 @@ from specdec.distributed.model import TensorParallelLlama, load_tensor_parallel
 from specdec.engine import Engine
 from specdec.graphs import CudaCapture, PassGraphs
 from specdec.handle import RequestHandle
-from specdec.interfaces import Proposer, SpeculationPolicy, Verifier
+from specdec.interfaces import CapturesGraphs, Proposer, SpeculationPolicy, Verifier
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager
 from specdec.metrics import SpecMetrics
@@ -38,8 +38,7 @@ from specdec.request import FinishReason, Request, RequestView, TokenLogprob
 from specdec.sampling import TorchSampler, make_generator
 from specdec.scheduler import BatchScheduler
 from specdec.types import ProposalKind, StepOutput
-from specdec.verify.chain import ChainVerifier
-from specdec.verify.tree import TreeVerifier
+from specdec.verify.kinds import default_verifiers
 
 __all__ = ["Generator", "GenerationOutput"]
 
@@ -717,19 +716,19 @@ def _pass_graphs(target: LlamaModel, target_kv, backend: object, num_pages: int,
 
 
 def _draft_graphs(proposer, proposer_kv, backend: object, num_pages: int) -> PassGraphs | None:
-    """Graphs of a draft model's own passes over its pool (other proposers: none)."""
-    from specdec.proposers import DraftModel
-
-    if not isinstance(proposer, DraftModel) or proposer_kv is None:
+    """Graphs of a proposer's own passes over its pool, when it declares them
+    (:class:`~specdec.interfaces.CapturesGraphs`: a draft model); others draft eagerly."""
+    if not isinstance(proposer, CapturesGraphs) or proposer_kv is None:
         return None
-    return _pass_graphs(proposer.model, proposer_kv, backend, num_pages, head=proposer.head)
+    model, head = proposer.graph_model()
+    return _pass_graphs(model, proposer_kv, backend, num_pages, head=head)
 
 
 def _verifiers(proposer: Proposer | None, verifier: Verifier | None) -> dict[ProposalKind, Verifier]:
     """The verifier of each proposal kind; ``verifier`` replaces the one of the proposer's kind."""
     if proposer is None:
         return {}
-    verifiers = {ProposalKind.CHAIN: ChainVerifier(), ProposalKind.TREE: TreeVerifier()}
+    verifiers = default_verifiers()
     if verifier is not None:
         verifiers[proposer.kind] = verifier
     return verifiers

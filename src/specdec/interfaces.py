@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionBackend",
     "AttentionSpec",
+    "CapturesGraphs",
     "Proposer",
     "ProposeContext",
     "TargetStep",
@@ -179,6 +180,18 @@ class Proposer(Protocol):
     def on_target_step(self, step: TargetStep) -> None: ...
 
     def release(self, seq_id: int) -> None: ...
+
+
+@runtime_checkable
+class CapturesGraphs(Protocol):
+    """A proposer capability: its drafting passes run one specdec model over its own KV pool
+    (a draft model), so a generator built with ``cuda_graphs=True`` captures them as it
+    captures the target's (``ProposeContext.graphs``). Proposers without it draft eagerly.
+    """
+
+    def graph_model(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """(the model whose passes are captured, an LM head replacing its own or ``None``)."""
+        ...
 
 
 @runtime_checkable

@@ -125,6 +125,11 @@ class DraftModel:
                 "and vocabulary size"
             )
 
+    def graph_model(self) -> tuple[LlamaModel, SubVocabHead | None]:
+        """Graph capture (:class:`~specdec.interfaces.CapturesGraphs`): the draft's own passes,
+        through its draft-vocabulary head when it has one."""
+        return self.model, self.head
+
     def kv_specs(self) -> tuple[KVSpec, ...]:
         return (self.model.config.kv_spec("draft", self.model.dtype),)
 
