@@ -16,6 +16,7 @@ __all__ = [
     "SamplingParams",
     "CacheConfig",
     "boolean",
+    "check_arg",
     "positive_int",
     "non_negative_int",
     "speculative_tokens",
@@ -68,6 +69,25 @@ def seed_int(instance: object, attribute: attrs.Attribute, value: object) -> Non
     non_negative_int(instance, attribute, value)
     if value >= 2**64:
         raise ValueError(f"{attribute.name} must be < 2**64, got {value}")
+
+
+@attrs.frozen
+class _Argument:
+    """Stands in for an ``attrs.Attribute`` so a validator can check a plain argument."""
+
+    name: str
+
+
+def check_arg(validator, name: str, value: object) -> None:
+    """Run an attrs ``validator`` of this module on a function argument named ``name``:
+    the same rule and the same message as for a config field.
+
+    >>> check_arg(positive_int, "batch_size", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch_size must be >= 1, got 0
+    """
+    validator(None, _Argument(name), value)
 
 
 def optional(validator):
