@@ -21,7 +21,7 @@
 //   4. out_d = (sum_j p_j v_j,d) / l: one sequential FMA chain per d over visible j ascending.
 // Up to three query heads sharing a KV head run together, so each K and V block is loaded and
 // converted once for all of them; each head's arithmetic is exactly what it would be alone.
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_linear.cpp)
+#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -16,29 +16,39 @@
 //
 // and after the last layer h + delta. linear() is the packed bf16, int8 or 4-bit kernel with the
 // mode its Python wrapper would pass (models/cpu_decoder.py builds the arguments).
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_linear.cpp)
+//
+// This file also holds the extension's bindings (at the end): it declares every other source's
+// entry points anyway.
+#include <torch/extension.h>  // the bindings are here (the other sources include torch/types.h)
 
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-// cpu_layer_ops.cpp, cpu_attention.cpp, cpu_linear.cpp, cpu_quantized.cpp
+// cpu_layer_ops.cpp
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
                                         torch::Tensor weight, double eps);
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// cpu_attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Tensor v_slots,
                               torch::Tensor row_seq, torch::Tensor row_index,
                               torch::Tensor kv_gather, torch::Tensor kv_lens,
                               c10::optional<torch::Tensor> mask, double sm_scale);
+// cpu_linear.cpp
 torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
                                   c10::optional<torch::Tensor> bias, bool out_bf16, int64_t bf16_dot);
+torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N);
+bool packed_has_bf16_dot();
+int64_t read_stream(torch::Tensor t);
+// cpu_quantized.cpp
 torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
                               c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni);
 torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                                 int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
                                 int64_t use_vnni);
+bool quantized_has_vnni();
 
 namespace {
 
@@ -168,4 +178,25 @@ std::vector<torch::Tensor> decoder_layers(
   out.reserve(wanted.size());
   for (int64_t i : wanted) out.push_back(inputs[i]);
   return out;
+}
+
+// One extension for all five sources (kernels/cpu_linear.py builds it); its functions by source.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // cpu_layer_ops.cpp, cpu_attention.cpp: the steps of a layer
+  m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm");
+  m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
+  m.def("silu_mul", &silu_mul, "bf16 silu(gate) * up");
+  m.def("paged_attention", &paged_attention, "float32 paged attention with a fixed reduction order");
+  // cpu_linear.cpp: packed bf16 weights
+  m.def("packed_linear_layer", &packed_linear_layer,
+        "packed_bf16_linear (or its AVX512-BF16 path) + optional float32 bias and rounding to bfloat16");
+  m.def("packed_bf16_linear", &packed_bf16_linear, "float32 activations x packed bf16 weights (AVX2/FMA)");
+  m.def("packed_has_bf16_dot", &packed_has_bf16_dot, "whether packed_linear_layer can take its AVX512-BF16 path");
+  m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
+  // cpu_quantized.cpp: int8 and 4-bit weights, int8 activations per group
+  m.def("q4_linear_layer", &q4_linear_layer, "activations x packed 4-bit weights");
+  m.def("int8_linear_layer", &int8_linear_layer, "activations x packed int8 weights");
+  m.def("quantized_has_vnni", &quantized_has_vnni, "whether the int8 / q4 kernels can use AVX512-VNNI");
+  // this file
+  m.def("decoder_layers", &decoder_layers, "every decoder layer of a bf16 model in one call");
 }

@@ -12,7 +12,7 @@
 // - silu_mul: PyTorch's silu and multiply called from C++ (bitwise the same result).
 //
 // Every row is computed on its own, so results do not depend on how many rows share a call.
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_linear.cpp)
+#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -28,7 +28,7 @@
 // output, two chains over alternate k pairs ((0,1), (4,5), ... and (2,3), (6,7), ...), added at
 // the end. That order does not depend on M either, so rows stay bitwise batch invariant within
 // the path. Which path a call takes depends only on the CPU and the activations' dtype.
-#include <torch/extension.h>
+#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -361,60 +361,4 @@ int64_t read_stream(torch::Tensor t) {
   int64_t out = 0;
   for (int64_t s : sums) out ^= s;
   return out;
-}
-
-// cpu_attention.cpp
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Tensor v_slots,
-                              torch::Tensor row_seq, torch::Tensor row_index,
-                              torch::Tensor kv_gather, torch::Tensor kv_lens,
-                              c10::optional<torch::Tensor> mask, double sm_scale);
-
-// cpu_layer_ops.cpp
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                        torch::Tensor weight, double eps);
-std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                   int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-
-// cpu_quantized.cpp
-torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                              c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni);
-torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                                int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
-                                int64_t use_vnni);
-bool quantized_has_vnni();
-
-// cpu_decoder.cpp
-std::vector<torch::Tensor> decoder_layers(
-    torch::Tensor h, const std::vector<torch::Tensor>& norms, double eps,
-    const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& packed,
-    const std::vector<c10::optional<torch::Tensor>>& scales,
-    const std::vector<int64_t>& out_features,
-    const std::vector<c10::optional<torch::Tensor>>& biases, const std::vector<int64_t>& modes,
-    torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, torch::Tensor cache, torch::Tensor slot_mapping, torch::Tensor row_seq,
-    torch::Tensor row_index, torch::Tensor kv_gather, torch::Tensor kv_lens,
-    c10::optional<torch::Tensor> mask, double sm_scale, const std::vector<int64_t>& wanted);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm (see cpu_layer_ops.cpp)");
-  m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
-  m.def("silu_mul", &silu_mul, "bf16 silu(gate) * up");
-  m.def("paged_attention", &paged_attention,
-        "float32 paged attention with a fixed reduction order (see cpu_attention.cpp)");
-  m.def("packed_linear_layer", &packed_linear_layer,
-        "packed_bf16_linear (or its AVX512-BF16 path) + optional float32 bias + optional rounding to bfloat16");
-  m.def("packed_has_bf16_dot", &packed_has_bf16_dot,
-        "whether the packed bf16 kernel can take its AVX512-BF16 path here");
-  m.def("q4_linear_layer", &q4_linear_layer,
-        "activations x packed 4-bit weights, int8 activations per group (cpu_quantized.cpp)");
-  m.def("int8_linear_layer", &int8_linear_layer,
-        "activations x packed int8 weights, int8 activations per group (cpu_quantized.cpp)");
-  m.def("quantized_has_vnni", &quantized_has_vnni,
-        "whether the int8 / q4 kernels can use AVX512-VNNI here");
-  m.def("decoder_layers", &decoder_layers,
-        "every decoder layer of a bf16 model in one call (cpu_decoder.cpp)");
-  m.def("read_stream", &read_stream, "read a tensor once (bandwidth probe); returns a checksum");
-  m.def("packed_bf16_linear", &packed_bf16_linear,
-        "float32 activations x packed bf16 weights (AVX2/FMA)");
 }

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,10 +40,11 @@ __all__ = [
     "bf16_dot_available",
     "bf16_dot_mode",
     "vnni_mode",
+    "kernel_linear",
 ]
 
 PANEL = 16
-# One extension: the bindings live in cpu_linear.cpp.
+# One extension: the bindings live in cpu_decoder.cpp.
 _SOURCES = (
     "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_decoder.cpp"
 )
@@ -161,6 +163,30 @@ def vnni_mode() -> int:
     return 0 if avx512_disabled() else -1
 
 
+def kernel_linear(
+    kernel: object | None,
+    name: str,
+    reference: Callable[..., torch.Tensor],
+    x: torch.Tensor,  # [rows, in_features]
+    weights: tuple[torch.Tensor, ...],
+    out_features: int,
+    bias: torch.Tensor | None,  # [out_features] float32
+    out_dtype: torch.dtype,
+    mode: int,
+) -> torch.Tensor:  # [rows, out_features] out_dtype
+    """``x @ W.T (+ bias)`` rounded to ``out_dtype`` through ``kernel`` (what :func:`load_kernel`
+    returns), its function ``name(x, *weights, out_features, bias, out_bf16, mode)``: one call
+    from Python, bias and rounding in C++; or, where the kernel is None or ``out_dtype`` neither
+    float32 nor bfloat16, through ``reference(x, *weights, out_features)`` (float32) and torch."""
+    if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
+        out = reference(x, *weights, out_features)
+        return (out if bias is None else out + bias).to(out_dtype)
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    call = getattr(kernel, name)
+    return call(x.contiguous(), *weights, out_features, bias, out_dtype == torch.bfloat16, mode)
+
+
 def packed_linear(
     x: torch.Tensor,  # [rows, in_features]
     packed: torch.Tensor,  # [panels, in_features, 16] bfloat16
@@ -180,13 +206,8 @@ def packed_linear(
     kernel = load_kernel()
     if kernel is None and bf16_dot == 1:
         raise RuntimeError("bf16_dot=1 needs the CPU kernel, which is unavailable here")
-    if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
-        out = packed_linear_reference(x, packed, out_features)
-        out = out if bias is None else out + bias
-        return out.to(out_dtype)
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
     mode = bf16_dot_mode() if bf16_dot is None else bf16_dot
-    return kernel.packed_linear_layer(
-        x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, mode
-    )
+    return kernel_linear(
+        kernel, "packed_linear_layer", packed_linear_reference,
+        x, (packed,), out_features, bias, out_dtype, mode,
+    )  # fmt: skip

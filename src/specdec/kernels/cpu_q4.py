@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.cpu_linear import load_kernel, vnni_mode
+from specdec.kernels.cpu_linear import kernel_linear, load_kernel, vnni_mode
 from specdec.kernels.int8_activations import GROUP, quantize_activations
 
 __all__ = [
@@ -171,14 +171,8 @@ def q4_linear(
     reference. ``use_vnni``: None by the CPU unless ``SPECDEC_DISABLE_AVX512`` asks for AVX2, -1
     by the CPU, 0 AVX2 only, 1 AVX512-VNNI one panel at a time, 2 AVX512-VNNI on panel pairs;
     all give the same bits."""
-    kernel = load_kernel()
-    if kernel is None or out_dtype not in (torch.float32, torch.bfloat16):
-        out = q4_linear_reference(x, packed, out_features)
-        return (out if bias is None else out + bias).to(out_dtype)
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    if use_vnni is None:
-        use_vnni = vnni_mode()
-    return kernel.q4_linear_layer(
-        x.contiguous(), packed, out_features, bias, out_dtype == torch.bfloat16, use_vnni
-    )
+    mode = vnni_mode() if use_vnni is None else use_vnni
+    return kernel_linear(
+        load_kernel(), "q4_linear_layer", q4_linear_reference,
+        x, (packed,), out_features, bias, out_dtype, mode,
+    )  # fmt: skip

@@ -35,7 +35,7 @@
 // 4f + t (the unpacked q4 order). maddubs needs an unsigned operand: |q| times x with q's
 // sign (each pair at most 2 x 127 x 127 = 32258, no saturation), madd to int32 per vector.
 // Per group and row: acc = fma(float(dot), dx, acc); the result is acc * s[n].
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_linear.cpp)
+#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -192,91 +192,321 @@ __attribute__((always_inline)) inline void prefetch_pair(const uint8_t* a, const
   }
 }
 
-// The float part of one q4 group for MR rows, from their exact int32 dots (8 features each):
-// acc = fma(dot, d * dx, acc); acc = fma(c, xs, acc). Shared by the AVX2 and VNNI kernels; X16:
-// features 4..7 bring 16 x their dot (unpack_nibbles_x16), so their d is taken / 16.
-template <int MR, bool X16>
-__attribute__((always_inline)) inline void q4_group_float(__m256 (&acc)[MR], const __m256i (&dots)[MR],
-                                                          const uint8_t* blk, const Rows& r,
-                                                          int64_t m0, int64_t g) {
-  __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128)));
-  if (X16) d = _mm256_mul_ps(d, _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
-  const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 144)));
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) {
-    const int64_t row = (m0 + m) * r.G + g;
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_mul_ps(d, _mm256_set1_ps(r.dx[row])), acc[m]);
-    acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(r.xs[row]), acc[m]);
-  }
+// ---- The micro-kernels: MR rows (m0 .. m0 + MR - 1) times one panel, or two adjacent panels.
+// One loop nest (micro_rows) serves the six kernels, q4 and int8 each on AVX2, on VNNI and on
+// VNNI panel pairs. A kernel is a struct of static steps: from its ISA base (Avx2, Vnni256,
+// Vnni512) the compiled entry and the rows per pass; from its format base (Q4Floats, I8Floats,
+// over a width: Lanes<8> or Lanes<16>) the block bytes, the float part of a group and the stores;
+// its own are the weight vectors and the integer dot step. Lane for lane, each kernel runs the
+// same integer and float operations in the same order as the others of its format: bitwise
+// equal results.
+
+// Steps that use AVX-512 carry their kernel's target and are not always_inline: micro_rows is
+// compiled for the default target (AVX2), so they inline only once micro_rows is inlined into
+// its ISA's run (Vnni256, Vnni512), whose flatten inlines everything below it.
+#define VNNI256_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define VNNI512_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define SPECDEC_INLINE __attribute__((always_inline)) inline
+#define SPECDEC_VNNI256 __attribute__((target(VNNI256_TARGET))) inline
+#define SPECDEC_VNNI512 __attribute__((target(VNNI512_TARGET))) inline
+
+// Float steps, overloaded on the vector width (8 lanes: one panel; 16: a pair, lanes 0..7 from
+// panel A, 8..15 from panel B), so that each format's float part below is written once. They
+// write through references instead of returning: a __m512 returned into code compiled for AVX2
+// (micro_rows) would change the ABI.
+SPECDEC_INLINE void set_zero(__m256& v) { v = _mm256_setzero_ps(); }
+SPECDEC_VNNI512 void set_zero(__m512& v) { v = _mm512_setzero_ps(); }
+SPECDEC_INLINE void load_floats(__m256& v, const float* p) { v = _mm256_loadu_ps(p); }
+SPECDEC_VNNI512 void load_floats(__m512& v, const float* p) { v = _mm512_loadu_ps(p); }
+SPECDEC_INLINE void mul(__m256& v, const __m256& a, const __m256& b) { v = _mm256_mul_ps(a, b); }
+SPECDEC_VNNI512 void mul(__m512& v, const __m512& a, const __m512& b) { v = _mm512_mul_ps(a, b); }
+SPECDEC_INLINE void mul(__m256& v, const __m256& a, float x) { v = _mm256_mul_ps(a, _mm256_set1_ps(x)); }
+SPECDEC_VNNI512 void mul(__m512& v, const __m512& a, float x) { v = _mm512_mul_ps(a, _mm512_set1_ps(x)); }
+SPECDEC_INLINE void set1(__m256& v, float x) { v = _mm256_set1_ps(x); }
+SPECDEC_VNNI512 void set1(__m512& v, float x) { v = _mm512_set1_ps(x); }
+// acc = fma(a, x, acc)
+SPECDEC_INLINE void fma(__m256& acc, const __m256& a, float x) {
+  acc = _mm256_fmadd_ps(a, _mm256_set1_ps(x), acc);
+}
+SPECDEC_VNNI512 void fma(__m512& acc, const __m512& a, float x) {
+  acc = _mm512_fmadd_ps(a, _mm512_set1_ps(x), acc);
+}
+// acc = fma(float(dot), m, acc)
+SPECDEC_INLINE void fma_dot(__m256& acc, const __m256i& dot, const __m256& m) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), m, acc);
+}
+SPECDEC_VNNI512 void fma_dot(__m512& acc, const __m512i& dot, const __m512& m) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), m, acc);
+}
+// The first n_valid lanes to dst.
+SPECDEC_INLINE void store(float* dst, const __m256& v, int64_t n_valid) { store_features(dst, v, n_valid); }
+SPECDEC_VNNI512 void store(float* dst, const __m512& v, int64_t n_valid) {
+  _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << n_valid) - 1u), v);
+}
+// 8 float16 at a (8 lanes), or 8 at a and 8 at b (16 lanes), as float32.
+SPECDEC_INLINE void load_halves(__m256& v, const uint8_t* a, const uint8_t*) {
+  v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+}
+SPECDEC_VNNI512 void load_halves(__m512& v, const uint8_t* a, const uint8_t* b) {
+  v = _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+// Features 4..7 of each panel / 16 (their dots come as 16 x the dot: unpack_nibbles_x16).
+SPECDEC_INLINE void div16_high(__m256& d) {
+  d = _mm256_mul_ps(d, _mm256_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
+}
+SPECDEC_VNNI512 void div16_high(__m512& d) {
+  d = _mm512_mul_ps(d, _mm512_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f,
+                                      1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
 }
 
-// The float part of one int8 group for MR rows: acc = fma(dot, dx, acc).
-template <int MR>
-__attribute__((always_inline)) inline void i8_group_float(__m256 (&acc)[MR], const __m256i (&dots)[MR],
-                                                          const Rows& r, int64_t m0, int64_t g) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
-}
+// What micro_rows needs besides the row block: the panel (pair: a, then b) and, for int8, its
+// features' scales (a pair's 16 are adjacent).
+struct Panels {
+  const uint8_t* a;
+  const uint8_t* b;    // pair kernels only
+  const float* scale;  // int8 only
+  const Rows* rows;
+  int64_t M;
+  float* out;
+  int64_t ldo;
+  int64_t n_valid;     // features to store (a pair: both panels')
+};
 
-// Rows m0 .. m0 + MR - 1 times one panel. The int16 sum of a group (8 maddubs) then one madd.
-template <int MR, bool PREFETCH>
-void micro_avx2(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
-                int64_t n_valid) {
-  __m256 acc[MR];
+template <class K, int MR, bool PREFETCH>
+SPECDEC_INLINE void micro_rows(const Panels& p, int64_t m0) {
+  // Locals, not reads through p: the stores (memcpy) could alias p, which would reload them.
+  const Rows& r = *p.rows;
+  const uint8_t* const panel_a = p.a;
+  const uint8_t* const panel_b = p.b;
+  const float* const scale_p = p.scale;
+  float* const out = p.out;
+  const int64_t ldo = p.ldo, n_valid = p.n_valid;
+  typename K::Acc acc[MR];
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MR; ++m) set_zero(acc[m]);
   const int64_t Kp = r.G * kGroup;
   for (int64_t g = 0; g < r.G; ++g) {
-    const uint8_t* blk = panel + g * kBlock;
-    if (PREFETCH) prefetch_block(blk, kBlock);
-    __m256i isum[MR];
+    const uint8_t* a = panel_a + g * K::kBytes;
+    const uint8_t* b = K::kPair ? panel_b + g * K::kBytes : nullptr;
+    if (PREFETCH) {
+      if constexpr (K::kPair) prefetch_pair(panel_a, panel_b, g, r.G, K::kBytes);
+      else prefetch_block(a, K::kBytes);
+    }
+    typename K::Int isum[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) K::start(isum[m], r, (m0 + m) * r.G + g);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m256i w = unpack_nibbles(blk + 16 * j);
+      typename K::Weights w;
+      K::load(w, a, b, j);
 #pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256i p = _mm256_maddubs_epi16(w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
-        isum[m] = j == 0 ? p : _mm256_add_epi16(isum[m], p);
-      }
+      for (int m = 0; m < MR; ++m) K::dot(isum[m], w, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, j == 0);
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm256_madd_epi16(isum[m], ones);
-    q4_group_float<MR, false>(acc, isum, blk, r, m0, g);
-  }
+    for (int m = 0; m < MR; ++m) K::finish(isum[m]);
+    typename K::Group s;
+    K::load_group(s, a, b);
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
+    for (int m = 0; m < MR; ++m) K::add(acc[m], isum[m], s, r, (m0 + m) * r.G + g);
+  }
+  typename K::Acc scale;
+  K::load_scale(scale, scale_p);
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) K::store_row(out + (m0 + m) * ldo, acc[m], scale, n_valid);
 }
 
-// The same arithmetic with vpdpbusd (exact int32 dot of 4 byte pairs; features 4..7 as 16 x
-// their dot, d / 16): bitwise equal results.
-template <int MR, bool PREFETCH>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
-void micro_vnni(const uint8_t* panel, const Rows& r, int64_t m0, float* out, int64_t ldo,
-                int64_t n_valid) {
-  __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t Kp = r.G * kGroup;
-  for (int64_t g = 0; g < r.G; ++g) {
-    const uint8_t* blk = panel + g * kBlock;
-    if (PREFETCH) prefetch_block(blk, kBlock);
-    __m256i isum[MR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = unpack_nibbles_x16(blk + 16 * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m)
-        isum[m] = _mm256_dpbusd_epi32(isum[m], w, broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j));
-    }
-    q4_group_float<MR, true>(acc, isum, blk, r, m0, g);
+// The compiled entries of micro_rows, one per instruction set (a target attribute cannot be a
+// template argument), with the rows per pass their registers hold.
+struct Avx2 {
+  static constexpr int kMaxRows = kMaxRowsAvx2;
+  template <class K, int MR, bool PREFETCH>
+  static void run(const Panels& p, int64_t m0) { micro_rows<K, MR, PREFETCH>(p, m0); }
+};
+
+struct Vnni256 {
+  static constexpr int kMaxRows = kMaxRowsVnni;
+  template <class K, int MR, bool PREFETCH>
+  __attribute__((target(VNNI256_TARGET), flatten)) static void run(const Panels& p, int64_t m0) {
+    micro_rows<K, MR, PREFETCH>(p, m0);
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, acc[m], n_valid);
+};
+
+// Two panels at once with 512-bit vectors (VNNI CPUs): features 0..7 from panel A, 8..15 from
+// panel B, so each activation broadcast and each vpdpbusd serves 16 features, halving the
+// per-row instructions of a verify pass.
+struct Vnni512 {
+  static constexpr int kMaxRows = kMaxRowsVnni;
+  template <class K, int MR, bool PREFETCH>
+  __attribute__((target(VNNI512_TARGET), flatten)) static void run(const Panels& p, int64_t m0) {
+    micro_rows<K, MR, PREFETCH>(p, m0);
+  }
+};
+
+template <int kLanes>
+struct VectorTypes;  // float32 and int32 vectors of kLanes lanes
+template <>
+struct VectorTypes<8> { using Acc = __m256; using Int = __m256i; };
+template <>
+struct VectorTypes<16> { using Acc = __m512; using Int = __m512i; };
+
+// A width: the float accumulators (Acc) and integer dots (Int) of a row, and the integer dot's
+// default start and finish (none: a kernel's dot assigns it at j = 0).
+template <int kLanes>
+struct Lanes : VectorTypes<kLanes> {
+  using typename VectorTypes<kLanes>::Int;
+  static constexpr bool kPair = kLanes == 16;
+  SPECDEC_INLINE static void start(Int&, const Rows&, int64_t) {}
+  SPECDEC_INLINE static void finish(Int&) {}
+};
+
+// The float part of a q4 group per row, from its exact int32 dot: acc = fma(dot, d * dx, acc);
+// acc = fma(c, xs, acc). X16: features 4..7 bring 16 x their dot, so their d is taken / 16.
+template <class L, bool X16>
+struct Q4Floats : L {
+  using typename L::Acc, typename L::Int;
+  static constexpr int64_t kBytes = kBlock;
+  struct Group { Acc d, c; };
+  SPECDEC_INLINE static void load_group(Group& s, const uint8_t* a, const uint8_t* b) {
+    load_halves(s.d, a + 128, b + 128);
+    if (X16) div16_high(s.d);
+    load_halves(s.c, a + 144, b + 144);
+  }
+  SPECDEC_INLINE static void add(Acc& acc, const Int& dot, const Group& s, const Rows& r, int64_t row) {
+    Acc m;
+    mul(m, s.d, r.dx[row]);
+    fma_dot(acc, dot, m);
+    fma(acc, s.c, r.xs[row]);
+  }
+  SPECDEC_INLINE static void load_scale(Acc&, const float*) {}
+  SPECDEC_INLINE static void store_row(float* dst, const Acc& acc, const Acc&, int64_t n_valid) {
+    store(dst, acc, n_valid);
+  }
+};
+
+// int8: acc = fma(dot, dx, acc) per group; the result is acc * s[n].
+template <class L>
+struct I8Floats : L {
+  using typename L::Acc, typename L::Int;
+  static constexpr int64_t kBytes = kBlockI8;
+  struct Group {};
+  SPECDEC_INLINE static void load_group(Group&, const uint8_t*, const uint8_t*) {}
+  SPECDEC_INLINE static void add(Acc& acc, const Int& dot, const Group&, const Rows& r, int64_t row) {
+    Acc m;
+    set1(m, r.dx[row]);
+    fma_dot(acc, dot, m);
+  }
+  SPECDEC_INLINE static void load_scale(Acc& s, const float* scale) { load_floats(s, scale); }
+  SPECDEC_INLINE static void store_row(float* dst, const Acc& acc, const Acc& s, int64_t n_valid) {
+    Acc v;
+    mul(v, acc, s);
+    store(dst, v, n_valid);
+  }
+};
+
+// The kernels: weight vector j of a group's block(s) (load), and the integer dot of a group for
+// one row, 4 activation bytes at a time (first: j == 0, a constant once the loop is unrolled).
+// q4 on AVX2: maddubs sums 8 vectors in int16 (see the top of the file), finish adds pairs.
+struct Q4Avx2 : Avx2, Q4Floats<Lanes<8>, false> {
+  using Weights = __m256i;
+  SPECDEC_INLINE static void load(Weights& w, const uint8_t* a, const uint8_t*, int j) {
+    w = unpack_nibbles(a + 16 * j);
+  }
+  SPECDEC_INLINE static void dot(Int& isum, const Weights& w, const int8_t* x, bool first) {
+    const __m256i p = _mm256_maddubs_epi16(w, broadcast4(x));
+    isum = first ? p : _mm256_add_epi16(isum, p);
+  }
+  SPECDEC_INLINE static void finish(Int& isum) { isum = _mm256_madd_epi16(isum, _mm256_set1_epi16(1)); }
+};
+
+// q4 with vpdpbusd (exact int32 dot of 4 byte pairs; features 4..7 as 16 x their dot).
+struct Q4Vnni : Vnni256, Q4Floats<Lanes<8>, true> {
+  using Weights = __m256i;
+  SPECDEC_INLINE static void load(Weights& w, const uint8_t* a, const uint8_t*, int j) {
+    w = unpack_nibbles_x16(a + 16 * j);
+  }
+  SPECDEC_VNNI256 static void dot(Int& isum, const Weights& w, const int8_t* x, bool first) {
+    isum = _mm256_dpbusd_epi32(first ? _mm256_setzero_si256() : isum, w, broadcast4(x));
+  }
+};
+
+__attribute__((target(VNNI512_TARGET), always_inline))
+inline __m512i unpack_nibbles_pair(const uint8_t* a, const uint8_t* b) {  // as unpack_nibbles_x16
+  const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  // 128-bit lanes: a's low nibbles, a's high nibbles (in place), b's low, b's high.
+  const int lo4 = 0x0F0F0F0F, hi4 = static_cast<int>(0xF0F0F0F0u);
+  return _mm512_and_si512(raw, _mm512_setr_epi32(lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4,
+                                                 lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4));
 }
+
+__attribute__((target(VNNI512_TARGET), always_inline))
+inline __m512i dot_pair(const __m512i& isum, const __m512i& w, const int8_t* x) {  // x: 4 activation bytes
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return _mm512_dpbusd_epi32(isum, w, _mm512_set1_epi32(v));
+}
+
+struct Q4Pair : Vnni512, Q4Floats<Lanes<16>, true> {
+  using Weights = __m512i;
+  SPECDEC_VNNI512 static void load(Weights& w, const uint8_t* a, const uint8_t* b, int j) {
+    w = unpack_nibbles_pair(a + 16 * j, b + 16 * j);
+  }
+  SPECDEC_VNNI512 static void dot(Int& isum, const Weights& w, const int8_t* x, bool first) {
+    isum = dot_pair(first ? _mm512_setzero_si512() : isum, w, x);
+  }
+};
+
+// int8: maddubs needs an unsigned operand, so |q| (aw) times x with q's sign.
+struct SignedWeights {
+  __m256i w, aw;  // q and |q|
+};
+
+SPECDEC_INLINE void load_signed(SignedWeights& w, const uint8_t* blk, int j) {
+  w.w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
+  w.aw = _mm256_sign_epi8(w.w, w.w);
+}
+
+struct I8Avx2 : Avx2, I8Floats<Lanes<8>> {
+  using Weights = SignedWeights;
+  SPECDEC_INLINE static void load(Weights& w, const uint8_t* a, const uint8_t*, int j) { load_signed(w, a, j); }
+  SPECDEC_INLINE static void dot(Int& isum, const Weights& w, const int8_t* x, bool first) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.aw, _mm256_sign_epi8(broadcast4(x), w.w)),
+                                        _mm256_set1_epi16(1));
+    isum = first ? p : _mm256_add_epi32(isum, p);
+  }
+};
+
+struct I8Vnni : Vnni256, I8Floats<Lanes<8>> {
+  using Weights = SignedWeights;
+  SPECDEC_INLINE static void load(Weights& w, const uint8_t* a, const uint8_t*, int j) { load_signed(w, a, j); }
+  SPECDEC_VNNI256 static void dot(Int& isum, const Weights& w, const int8_t* x, bool first) {
+    const __m256i xv = _mm256_sign_epi8(broadcast4(x), w.w);
+    isum = _mm256_dpbusd_epi32(first ? _mm256_setzero_si256() : isum, w.aw, xv);
+  }
+};
+
+// int8 pairs: vpdpbusd wants unsigned weights, so q + 128 (q ^ 0x80) is dotted with the signed
+// activations and 128 x the group's activation sum taken off again (start): the same exact int32
+// dots as the sign trick above, without its per-row vpsignb (which has no 512-bit form).
+struct I8Pair : Vnni512, I8Floats<Lanes<16>> {
+  using Weights = __m512i;
+  SPECDEC_VNNI512 static void start(Int& isum, const Rows& r, int64_t row) {
+    isum = _mm512_set1_epi32(-r.xqs[row]);
+  }
+  SPECDEC_VNNI512 static void load(Weights& w, const uint8_t* a, const uint8_t* b, int j) {
+    w = _mm512_xor_si512(
+        _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)), 1),
+        _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  SPECDEC_VNNI512 static void dot(Int& isum, const Weights& w, const int8_t* x, bool) {
+    isum = dot_pair(isum, w, x);
+  }
+};
 
 // Rows 0 .. M - 1 in blocks of at most `step`: f(std::integral_constant<int, MR>, m0, first)
 // for each block, MR its row count as a compile-time constant (the micro-kernels' register
@@ -298,244 +528,31 @@ inline void for_row_blocks(int64_t M, int64_t step, F&& f) {
   }
 }
 
-// Two panels at once with 512-bit vectors (VNNI CPUs): features 0..7 from panel A, 8..15 from
-// panel B, so each activation broadcast and each vpdpbusd serves 16 features, halving the
-// per-row instructions of a verify pass. Lane for lane the same integer dots and the same float
-// operations in the same order as micro_vnni: bitwise equal results.
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
-inline __m512i unpack_nibbles_pair(const uint8_t* a, const uint8_t* b) {  // as unpack_nibbles_x16
-  const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-  const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
-  const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  // 128-bit lanes: a's low nibbles, a's high nibbles (in place), b's low, b's high.
-  const int lo4 = 0x0F0F0F0F, hi4 = static_cast<int>(0xF0F0F0F0u);
-  return _mm512_and_si512(raw, _mm512_setr_epi32(lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4,
-                                                 lo4, lo4, lo4, lo4, hi4, hi4, hi4, hi4));
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"), always_inline))
-inline __m512 half_pair(const uint8_t* a, const uint8_t* b) {  // 8 + 8 float16 -> 16 float32
-  const __m256i h = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  return _mm512_cvtph_ps(h);
-}
-
-template <int MR, bool PREFETCH>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-void micro_vnni_pair(const uint8_t* panel_a, const uint8_t* panel_b, const Rows& r, int64_t m0,
-                     float* out, int64_t ldo, int64_t n_valid) {
-  __m512 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t Kp = r.G * kGroup;
-  for (int64_t g = 0; g < r.G; ++g) {
-    const uint8_t* a = panel_a + g * kBlock;
-    const uint8_t* b = panel_b + g * kBlock;
-    if (PREFETCH) prefetch_pair(panel_a, panel_b, g, r.G, kBlock);
-    __m512i isum[MR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512i w = unpack_nibbles_pair(a + 16 * j, b + 16 * j);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        int32_t v;
-        std::memcpy(&v, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, sizeof(v));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
-      }
+// All M rows times one panel (or pair), as many at a time as the registers hold: the first
+// block streams the panel from memory, the others find it in cache.
+template <class K>
+void all_rows(const Panels& p) {
+  for_row_blocks(p.M, K::kMaxRows, [&](auto mr, int64_t m0, bool first) {
+    constexpr int MR = decltype(mr)::value;
+    if constexpr (MR <= K::kMaxRows) {
+      if (first) K::template run<K, MR, true>(p, m0);
+      else K::template run<K, MR, false>(p, m0);
     }
-    const __m512 d = _mm512_mul_ps(half_pair(a + 128, b + 128),  // features 4..7 of each: 16 x dot
-                                   _mm512_setr_ps(1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f,
-                                                  1, 1, 1, 1, 0.0625f, 0.0625f, 0.0625f, 0.0625f));
-    const __m512 c = half_pair(a + 144, b + 144);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const int64_t row = (m0 + m) * r.G + g;
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, _mm512_set1_ps(r.dx[row])), acc[m]);
-      acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(r.xs[row]), acc[m]);
-    }
-  }
-  const __mmask16 keep = static_cast<__mmask16>((1u << n_valid) - 1u);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * ldo, keep, acc[m]);
-}
-
-template <int MR>
-void micro_pair(bool first, const uint8_t* a, const uint8_t* b, const Rows& r, int64_t m0,
-                float* out, int64_t ldo, int64_t n_valid) {
-  if (first) micro_vnni_pair<MR, true>(a, b, r, m0, out, ldo, n_valid);
-  else micro_vnni_pair<MR, false>(a, b, r, m0, out, ldo, n_valid);
-}
-
-// All M rows times two adjacent panels (VNNI only); n_valid counts both panels' features.
-void panel_pair_all_rows(const uint8_t* a, const uint8_t* b, const Rows& r, int64_t M, float* out,
-                         int64_t ldo, int64_t n_valid) {
-  for_row_blocks(M, kMaxRowsVnni, [&](auto mr, int64_t m0, bool first) {
-    micro_pair<decltype(mr)::value>(first, a, b, r, m0, out, ldo, n_valid);
   });
 }
 
-template <int MR>
-void micro(bool vnni, bool first, const uint8_t* panel, const Rows& r, int64_t m0, float* out,
-           int64_t ldo, int64_t n_valid) {
-  if (vnni) {
-    if (first) micro_vnni<MR, true>(panel, r, m0, out, ldo, n_valid);
-    else micro_vnni<MR, false>(panel, r, m0, out, ldo, n_valid);
-  } else if constexpr (MR <= kMaxRowsAvx2) {
-    if (first) micro_avx2<MR, true>(panel, r, m0, out, ldo, n_valid);
-    else micro_avx2<MR, false>(panel, r, m0, out, ldo, n_valid);
-  }
-}
+// The three kernels of a format (they agree on its block bytes, kBytes).
+struct Q4 {
+  using Avx2Kernel = Q4Avx2;
+  using VnniKernel = Q4Vnni;
+  using PairKernel = Q4Pair;
+};
 
-// All M rows times one panel, as many at a time as the registers hold: the first group streams
-// the panel from memory, the others find it in cache.
-void panel_all_rows(bool vnni, const uint8_t* panel, const Rows& r, int64_t M, float* out,
-                    int64_t ldo, int64_t n_valid) {
-  for_row_blocks(M, vnni ? kMaxRowsVnni : kMaxRowsAvx2, [&](auto mr, int64_t m0, bool first) {
-    micro<decltype(mr)::value>(vnni, first, panel, r, m0, out, ldo, n_valid);
-  });
-}
-
-// ---------------------------------------------------------------------------------- int8
-template <int MR, bool PREFETCH>
-void micro_i8_avx2(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
-                   int64_t ldo, int64_t n_valid) {
-  __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t Kp = r.G * kGroup;
-  for (int64_t g = 0; g < r.G; ++g) {
-    const int8_t* blk = panel + g * kBlockI8;
-    if (PREFETCH) prefetch_block(blk, kBlockI8);
-    __m256i isum[MR];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256i xv = _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-        isum[m] = j == 0 ? p : _mm256_add_epi32(isum[m], p);
-      }
-    }
-    i8_group_float<MR>(acc, isum, r, m0, g);
-  }
-  const __m256 s = _mm256_loadu_ps(scale);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
-}
-
-template <int MR, bool PREFETCH>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
-void micro_i8_vnni(const int8_t* panel, const Rows& r, int64_t m0, const float* scale, float* out,
-                   int64_t ldo, int64_t n_valid) {
-  __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  const int64_t Kp = r.G * kGroup;
-  for (int64_t g = 0; g < r.G; ++g) {
-    const int8_t* blk = panel + g * kBlockI8;
-    if (PREFETCH) prefetch_block(blk, kBlockI8);
-    __m256i isum[MR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * j));
-      const __m256i aw = _mm256_sign_epi8(w, w);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m)
-        isum[m] = _mm256_dpbusd_epi32(
-            isum[m], aw, _mm256_sign_epi8(broadcast4(r.xq + (m0 + m) * Kp + g * kGroup + 4 * j), w));
-    }
-    i8_group_float<MR>(acc, isum, r, m0, g);
-  }
-  const __m256 s = _mm256_loadu_ps(scale);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) store_features(out + (m0 + m) * ldo, _mm256_mul_ps(acc[m], s), n_valid);
-}
-
-// Two panels at once with 512-bit vectors (VNNI CPUs), as micro_vnni_pair: vpdpbusd wants
-// unsigned weights, so q + 128 (q ^ 0x80) is dotted with the signed activations and 128 x the
-// group's activation sum taken off again: the same exact int32 dots as the sign trick above,
-// without its per-row vpsignb (which has no 512-bit form), hence the same bits.
-template <int MR, bool PREFETCH>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
-void micro_i8_vnni_pair(const int8_t* panel_a, const int8_t* panel_b, const Rows& r, int64_t m0,
-                        const float* scale, float* out, int64_t ldo, int64_t n_valid) {
-  __m512 acc[MR];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t Kp = r.G * kGroup;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = 0; g < r.G; ++g) {
-    const int8_t* a = panel_a + g * kBlockI8;
-    const int8_t* b = panel_b + g * kBlockI8;
-    if (PREFETCH) prefetch_pair(reinterpret_cast<const uint8_t*>(panel_a),
-                                reinterpret_cast<const uint8_t*>(panel_b), g, r.G, kBlockI8);
-    __m512i isum[MR];
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) isum[m] = _mm512_set1_epi32(-r.xqs[(m0 + m) * r.G + g]);
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m512i w = _mm512_xor_si512(
-          _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * j))),
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * j)), 1),
-          flip);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        int32_t v;
-        std::memcpy(&v, r.xq + (m0 + m) * Kp + g * kGroup + 4 * j, sizeof(v));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], w, _mm512_set1_epi32(v));
-      }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_set1_ps(r.dx[(m0 + m) * r.G + g]), acc[m]);
-  }
-  const __m512 s = _mm512_loadu_ps(scale);  // the pair's 16 scales are adjacent
-  const __mmask16 keep = static_cast<__mmask16>((1u << n_valid) - 1u);
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + (m0 + m) * ldo, keep, _mm512_mul_ps(acc[m], s));
-}
-
-template <int MR>
-void micro_i8_pair(bool first, const int8_t* a, const int8_t* b, const Rows& r, int64_t m0,
-                   const float* scale, float* out, int64_t ldo, int64_t n_valid) {
-  if (first) micro_i8_vnni_pair<MR, true>(a, b, r, m0, scale, out, ldo, n_valid);
-  else micro_i8_vnni_pair<MR, false>(a, b, r, m0, scale, out, ldo, n_valid);
-}
-
-void panel_pair_all_rows_i8(const int8_t* a, const int8_t* b, const Rows& r, int64_t M,
-                            const float* scale, float* out, int64_t ldo, int64_t n_valid) {
-  for_row_blocks(M, kMaxRowsVnni, [&](auto mr, int64_t m0, bool first) {
-    micro_i8_pair<decltype(mr)::value>(first, a, b, r, m0, scale, out, ldo, n_valid);
-  });
-}
-
-template <int MR>
-void micro_i8(bool vnni, bool first, const int8_t* panel, const Rows& r, int64_t m0,
-              const float* scale, float* out, int64_t ldo, int64_t n_valid) {
-  if (vnni) {
-    if (first) micro_i8_vnni<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
-    else micro_i8_vnni<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
-  } else if constexpr (MR <= kMaxRowsAvx2) {
-    if (first) micro_i8_avx2<MR, true>(panel, r, m0, scale, out, ldo, n_valid);
-    else micro_i8_avx2<MR, false>(panel, r, m0, scale, out, ldo, n_valid);
-  }
-}
-
-void panel_all_rows_i8(bool vnni, const int8_t* panel, const Rows& r, int64_t M, const float* scale,
-                       float* out, int64_t ldo, int64_t n_valid) {
-  for_row_blocks(M, vnni ? kMaxRowsVnni : kMaxRowsAvx2, [&](auto mr, int64_t m0, bool first) {
-    micro_i8<decltype(mr)::value>(vnni, first, panel, r, m0, scale, out, ldo, n_valid);
-  });
-}
+struct Int8 {
+  using Avx2Kernel = I8Avx2;
+  using VnniKernel = I8Vnni;
+  using PairKernel = I8Pair;
+};
 
 bool cpu_has_vnni() {
   static const bool has = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
@@ -656,6 +673,38 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
   return rounded;
 }
 
+// x times a packed weight of format F (scale: int8's per-feature scales, else null): the
+// activations quantized once, then the panels in parallel, two at a time where a VNNI pass
+// gains by it (pairs_pay).
+template <class F>
+torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, const float* scale,
+                               int64_t N, const c10::optional<torch::Tensor>& bias, bool out_bf16,
+                               int64_t use_vnni) {
+  constexpr int64_t kBytes = F::Avx2Kernel::kBytes;
+  auto [xf, vnni] = check_call(x, packed, kBytes, N, use_vnni);
+  const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
+  const bool use_pairs = pairs_pay(use_vnni, M, G);
+  const QuantizedRows q = quantize_rows(xf, G);
+  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
+  const uint8_t* wp = static_cast<const uint8_t*>(packed.data_ptr());
+  float* op = out.data_ptr<float>();
+  const auto panels = [&](int64_t p, int64_t features) {  // panel p (and p + 1 for a pair)
+    return Panels{wp + p * G * kBytes, wp + (p + 1) * G * kBytes,
+                  scale == nullptr ? nullptr : scale + p * kFeatures, &q.rows, M, op + p * kFeatures,
+                  N, std::min<int64_t>(features, N - p * kFeatures)};
+  };
+  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
+    int64_t p = p0;
+    for (; vnni && use_pairs && p + 1 < p1; p += 2)
+      all_rows<typename F::PairKernel>(panels(p, 2 * kFeatures));
+    for (; p < p1; ++p) {
+      if (vnni) all_rows<typename F::VnniKernel>(panels(p, kFeatures));
+      else all_rows<typename F::Avx2Kernel>(panels(p, kFeatures));
+    }
+  });
+  return finish(out, bias, out_bf16);
+}
+
 }  // namespace
 
 // x: [M, K] float32 or bfloat16; packed: [ceil(N/8), ceil(K/32), 160] uint8 (layout above);
@@ -665,23 +714,7 @@ torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias
 torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
                               c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed must be uint8");
-  auto [xf, vnni] = check_call(x, packed, kBlock, N, use_vnni);
-  const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
-  const bool use_pairs = pairs_pay(use_vnni, M, G);
-  const QuantizedRows q = quantize_rows(xf, G);
-  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-    int64_t p = p0;
-    for (; vnni && use_pairs && p + 1 < p1; p += 2)
-      panel_pair_all_rows(wp + p * G * kBlock, wp + (p + 1) * G * kBlock, q.rows, M,
-                          op + p * kFeatures, N, std::min<int64_t>(2 * kFeatures, N - p * kFeatures));
-    for (; p < p1; ++p)
-      panel_all_rows(vnni, wp + p * G * kBlock, q.rows, M, op + p * kFeatures, N,
-                     std::min<int64_t>(kFeatures, N - p * kFeatures));
-  });
-  return finish(out, bias, out_bf16);
+  return quantized_linear<Q4>(x, packed, nullptr, N, bias, out_bf16, use_vnni);
 }
 
 // x: [M, K] float32 or bfloat16; packed: [ceil(N/8), ceil(K/32), 256] int8 (layout above);
@@ -693,25 +726,7 @@ torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Te
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
                   scale.numel() == packed.size(0) * kFeatures,
               "scale must be contiguous float32 [panels * 8]");
-  auto [xf, vnni] = check_call(x, packed, kBlockI8, N, use_vnni);
-  const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
-  const bool use_pairs = pairs_pay(use_vnni, M, G);
-  const QuantizedRows q = quantize_rows(xf, G);
-  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-    int64_t p = p0;
-    for (; vnni && use_pairs && p + 1 < p1; p += 2)
-      panel_pair_all_rows_i8(wp + p * G * kBlockI8, wp + (p + 1) * G * kBlockI8, q.rows, M,
-                             sp + p * kFeatures, op + p * kFeatures, N,
-                             std::min<int64_t>(2 * kFeatures, N - p * kFeatures));
-    for (; p < p1; ++p)
-      panel_all_rows_i8(vnni, wp + p * G * kBlockI8, q.rows, M, sp + p * kFeatures,
-                        op + p * kFeatures, N, std::min<int64_t>(kFeatures, N - p * kFeatures));
-  });
-  return finish(out, bias, out_bf16);
+  return quantized_linear<Int8>(x, packed, scale.data_ptr<float>(), N, bias, out_bf16, use_vnni);
 }
 
 bool quantized_has_vnni() { return cpu_has_vnni(); }

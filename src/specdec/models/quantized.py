@@ -40,6 +40,7 @@ __all__ = [
 QUANTIZATIONS = ("int8", "q4")  # what ``quantization=`` accepts besides None
 WEIGHT_FORMATS = ("bfloat16", *QUANTIZATIONS)  # what a model's linear layers may be stored as
 _Q4_CHUNK_ROWS = 4096  # rows quantized at once: bounds the float32 temporaries of a large head
+_Codes = tuple[torch.Tensor, ...]  # a format's codes: (q, scale) for int8, (q, d, c) for q4
 
 
 def check_quantization(quantization: str | None, device: str | torch.device) -> None:
@@ -52,27 +53,55 @@ def check_quantization(quantization: str | None, device: str | torch.device) -> 
         )
 
 
-class Int8Linear(nn.Module):
-    """A linear layer over int8 weights with per-output-feature float32 scales.
-
-    ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
+class _QuantizedLinear(nn.Module):
+    """What :class:`Int8Linear` and :class:`Q4Linear` share: a linear layer whose kernel takes the
+    rows flattened, with a float32 bias and ``out_dtype`` (the model's dtype for hidden layers,
+    float32 for the LM head). A subclass packs the weight (``_pack``: its buffers, in order)
+    and runs its kernel (``_linear``)."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         out_dtype: torch.dtype,
-        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+        codes: _Codes | None = None,
     ) -> None:
-        """``codes``: ``(q, scale)`` as :func:`~specdec.kernels.cpu_int8.quantize_int8` returns
-        them, taken as they are (rows of another int8 layer) instead of quantizing ``weight``
+        """``codes``: the format's codes, taken as they are instead of quantizing ``weight``
         (which may then be a meta tensor: only its shape and dtype are read)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
+        if codes is not None and tuple(codes[0].shape) != self._codes_shape():
+            raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
+        for name, buffer in self._pack(weight, codes).items():
+            self.register_buffer(name, buffer)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def _codes_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _pack(self, weight: torch.Tensor, codes: _Codes | None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] out_dtype
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        lead = x.shape[:-1]
+        return self._linear(x.reshape(-1, self.in_features)).view(*lead, self.out_features)
+
+
+class Int8Linear(_QuantizedLinear):
+    """A linear layer over int8 weights with per-output-feature float32 scales.
+
+    ``codes``: ``(q, scale)`` as :func:`~specdec.kernels.cpu_int8.quantize_int8` returns them
+    (rows of another int8 layer)."""
+
+    def _codes_shape(self) -> tuple[int, ...]:
+        return (self.out_features, self.in_features)
+
+    def _pack(self, weight: torch.Tensor, codes: _Codes | None) -> dict[str, torch.Tensor]:
         if codes is not None:
-            if tuple(codes[0].shape) != tuple(weight.shape):
-                raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
             packed, scale = pack_int8(*codes)
         elif weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
             panels, groups = -(-self.out_features // FEATURES), -(-self.in_features // GROUP)
@@ -80,45 +109,28 @@ class Int8Linear(nn.Module):
             scale = torch.empty(panels * FEATURES, dtype=torch.float32, device="meta")
         else:
             packed, scale = pack_int8(*quantize_int8(weight))
-        self.register_buffer("packed", packed)  # [ceil(out/8), ceil(in/32), 256] int8
-        self.register_buffer("scale", scale)  # [ceil(out/8) * 8] float32
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # packed: [ceil(out/8), ceil(in/32), 256] int8; scale: [ceil(out/8) * 8] float32
+        return {"packed": packed, "scale": scale}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        lead = x.shape[:-1]
-        out = int8_linear(
-            x.reshape(-1, self.in_features), self.packed, self.scale, self.out_features,
-            self.bias, self.out_dtype,
-        )  # fmt: skip
-        return out.view(*lead, self.out_features)
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.packed, self.scale, self.out_features, self.bias, self.out_dtype)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
         q = unpack_int8(self.packed, self.out_features, self.in_features)
         return q.float() * self.scale[: self.out_features, None]
 
 
-class Q4Linear(nn.Module):
+class Q4Linear(_QuantizedLinear):
     """A linear layer over 4-bit weights (groups of 32 inputs, float16 scale and offset).
 
-    ``out_dtype``: the model's dtype for hidden layers, float32 for the LM head."""
+    ``codes``: ``(q, d, c)`` as :func:`~specdec.kernels.cpu_q4.quantize_q4` returns them (a GGUF
+    file's 4-bit blocks, rows of another q4 layer)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        out_dtype: torch.dtype,
-        codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        """``codes``: ``(q, d, c)`` as :func:`~specdec.kernels.cpu_q4.quantize_q4` returns them,
-        taken as they are (a GGUF file's 4-bit blocks, rows of another q4 layer) instead of
-        quantizing ``weight`` (which may then be a meta tensor)."""
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.out_dtype, self.weight_dtype = out_dtype, weight.dtype
+    def _codes_shape(self) -> tuple[int, ...]:
+        return (self.out_features, -(-self.in_features // GROUP), GROUP)
+
+    def _pack(self, weight: torch.Tensor, codes: _Codes | None) -> dict[str, torch.Tensor]:
         if codes is not None:
-            groups = -(-self.in_features // GROUP)
-            if tuple(codes[0].shape) != (self.out_features, groups, GROUP):
-                raise ValueError(f"codes {tuple(codes[0].shape)} do not fit a {tuple(weight.shape)} weight")
             packed = pack_q4(*codes)
         elif weight.device.type == "meta":  # a shell for load_state_dict(assign=True)
             shape = (-(-self.out_features // FEATURES), -(-self.in_features // GROUP), BLOCK_BYTES)
@@ -128,19 +140,10 @@ class Q4Linear(nn.Module):
                 pack_q4(*quantize_q4(weight[r : r + _Q4_CHUNK_ROWS]))
                 for r in range(0, self.out_features, _Q4_CHUNK_ROWS)
             ])  # fmt: skip
-        self.register_buffer("packed", packed)  # [ceil(out/8), ceil(in/32), 160] uint8
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        return {"packed": packed}  # [ceil(out/8), ceil(in/32), 160] uint8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        lead = x.shape[:-1]
-        out = q4_linear(
-            x.reshape(-1, self.in_features),
-            self.packed,
-            self.out_features,
-            self.bias,
-            self.out_dtype,
-        )
-        return out.view(*lead, self.out_features)
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return q4_linear(x, self.packed, self.out_features, self.bias, self.out_dtype)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32
         return dequantize_q4(*unpack_q4(self.packed, self.out_features), self.in_features)
