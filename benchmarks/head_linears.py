@@ -25,8 +25,9 @@ def _linears(head: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _head(target, kind: str, draft_vocab: int) -> torch.nn.Module:
     """A head of ``kind`` ("eagle3" or "mtp") for ``target``, random bf16 weights, packed."""
-    from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind
-    from specdec.models.heads import MTPHeadConfig, MTPHeadModel
+    from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
+    from specdec.models.mtp_head import MTPModule as MTPHeadModel
+    from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
     from specdec.models.packed import pack_linears, should_pack
 
     cfg = target.config

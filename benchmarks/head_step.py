@@ -38,7 +38,7 @@ PARTS = ("step", "target_pass", "target_lm_head", "draft", "follow", "head_layer
 def timers(totals: dict[str, float]):
     """Wrap the timed methods; restore them on exit."""
     from specdec.engine import Engine
-    from specdec.models.eagle import EagleHeadModel
+    from specdec.models.eagle_head import EagleHeadModel
     from specdec.models.llama import LlamaModel
     from specdec.proposers import EAGLETree, MTPHead
 

@@ -62,7 +62,8 @@ def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[lis
 
 def random_head(target, seed: int = 0, *, use_input_norms: bool = True, scale: float = 1.0):
     """An MTP head with random weights (non-trivial norms) in the target's dtype."""
-    from specdec.models.heads import MTPHeadConfig, MTPHeadModel
+    from specdec.models.mtp_head import MTPModule as MTPHeadModel
+    from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
 
     torch.manual_seed(seed)
     head = MTPHeadModel(target, MTPHeadConfig.for_target(target.config, use_input_norms=use_input_norms))

@@ -30,7 +30,7 @@ from test_lossless_engine import (
 )
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
-from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
 from specdec.proposers import EAGLETree
 from specdec.verify import tree
 

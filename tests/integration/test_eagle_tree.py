@@ -22,7 +22,7 @@ from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.attention.torch_backend import TorchAttentionBackend
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager
-from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import load_model, model_from_state_dict
 from specdec.proposers import EAGLETree

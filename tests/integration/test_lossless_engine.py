@@ -38,9 +38,10 @@ from conftest import make_hf_model
 from helpers import ScriptedPolicy, chi_square_pvalue
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams, noise
-from specdec.models.heads import MTPHeadConfig, MTPHeadModel
 from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
+from specdec.models.mtp_head import MTPModule as MTPHeadModel
+from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
 from specdec.proposers import DraftModel, MTPHead, PromptLookup
 from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain

@@ -10,8 +10,9 @@ import torch
 from helpers import random_head, random_prompts, record_drafts
 
 from specdec import Generator, SamplingParams
-from specdec.models.heads import MTPHeadModel, load_mtp_head, save_mtp_head
 from specdec.models.loading import load_model
+from specdec.models.mtp_head import MTPModule as MTPHeadModel
+from specdec.models.mtp_head import load_mtp_head, save_mtp_head
 from specdec.proposers import MTPHead
 
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -238,7 +239,7 @@ def test_a_packed_bf16_head_saves_as_plain_weights(stories_path, tmp_path):
 
 
 def test_draft_vocabulary_subset_is_exact_and_only_drafts_from_it(tiny_target, tmp_path):
-    from specdec.models.heads import save_draft_vocab
+    from specdec.models.mtp_head import save_draft_vocab
 
     head = random_head(tiny_target, 9)
     subset = torch.tensor([5, 17, 3, 40, 99, 60, 2, 81])

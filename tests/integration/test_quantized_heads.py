@@ -9,9 +9,10 @@ import torch
 from helpers import random_head, random_prompts
 
 from specdec import FixedPolicy, Generator, SamplingParams
-from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind, save_eagle_head
-from specdec.models.heads import save_draft_vocab, save_mtp_head
+from specdec.models.eagle_checkpoints import save_eagle_head
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
 from specdec.models.loading import load_model
+from specdec.models.mtp_head import save_draft_vocab, save_mtp_head
 from specdec.models.quantized import Int8Linear, Q4Linear
 from specdec.models.sub_vocab import SubVocabHead
 from specdec.proposers import EAGLETree, MTPHead

@@ -24,9 +24,10 @@ from tp_workers import (
 
 from specdec import CacheConfig, Generator, SamplingParams
 from specdec.distributed import RankFailedError, launch
-from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind, save_eagle_head
-from specdec.models.heads import save_mtp_head
+from specdec.models.eagle_checkpoints import save_eagle_head
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
 from specdec.models.loading import load_model
+from specdec.models.mtp_head import save_mtp_head
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 

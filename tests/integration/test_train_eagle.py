@@ -15,7 +15,8 @@ from specdec import FixedPolicy, Generator, SamplingParams
 from specdec.attention import TorchAttentionBackend
 from specdec.cli import bundled_model_path, main
 from specdec.kv import KVCacheManager, PageAllocator
-from specdec.models.eagle import EagleKind, load_eagle_head
+from specdec.models.eagle_checkpoints import load_eagle_head
+from specdec.models.eagle_head import EagleKind
 from specdec.models.llama import rms_norm
 from specdec.models.loading import load_model
 from specdec.proposers import EAGLETree

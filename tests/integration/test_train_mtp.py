@@ -12,7 +12,7 @@ import torch
 
 from specdec import Generator, SamplingParams
 from specdec.cli import main
-from specdec.generator import load_tokenizer
+from specdec.codec import load_tokenizer
 from specdec.models.loading import load_model
 from specdec.proposers import MTPHead
 from specdec.training import (

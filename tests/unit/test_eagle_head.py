@@ -11,13 +11,8 @@ import torch.nn.functional as F
 
 from specdec.attention import TorchAttentionBackend
 from specdec.kv import KVCacheManager, PageAllocator
-from specdec.models.eagle import (
-    EagleHeadConfig,
-    EagleHeadModel,
-    EagleKind,
-    load_eagle_head,
-    save_eagle_head,
-)
+from specdec.models.eagle_checkpoints import load_eagle_head, save_eagle_head
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
 
 F64 = torch.float64
 H, HEADS, KV_HEADS, INTER, VOCAB, LAYERS = 64, 4, 2, 96, 101, 8

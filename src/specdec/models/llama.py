@@ -20,7 +20,7 @@ from specdec.interfaces import AttentionBackend, AttentionSpec
 from specdec.kv.paged import KVSpec, ModelKV
 from specdec.types import BatchLayout, ModelOutput
 
-__all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope"]
+__all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
 
 
 class Architecture(enum.Enum):
@@ -160,6 +160,18 @@ def apply_rope(
     return x * cos + rotated * sin
 
 
+def rope_tables(
+    positions: torch.Tensor,  # [num_tokens] int64
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+    scale: float,  # the RoPE variant's attention scaling (1.0 for plain RoPE)
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim] in dtype
+    """RoPE's cos/sin tables, computed in float32 (as transformers does) and cast to ``dtype``."""
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.float()  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype).unsqueeze(-2), (emb.sin() * scale).to(dtype).unsqueeze(-2)
+
+
 def _fused_ops(embeds: torch.Tensor) -> object | None:
     """The CPU kernel module when its fused bf16 layer ops apply to this forward, else None."""
     if embeds.dtype != torch.bfloat16 or embeds.device.type != "cpu" or embeds.dim() != 2:
@@ -294,23 +306,11 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[num_tokens, 1, head_dim]`` in ``dtype`` (default: the model's), computed
         in float32."""
-        dtype = dtype or self.dtype
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.float()  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = self.config.rope_attention_scaling
-        return (
-            (emb.cos() * scale).to(dtype).unsqueeze(1),
-            (emb.sin() * scale).to(dtype).unsqueeze(1),
-        )
+        return rope_tables(positions, self.inv_freq, self.config.rope_attention_scaling, dtype or self.dtype)
 
-    def hidden_states(
-        self,
-        embeds: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens] int64
-        kv: ModelKV,
-        backend: AttentionBackend,
-        plan: object,
-    ) -> torch.Tensor:  # [num_tokens, hidden], last layer output before the final norm
+    def hidden_states(self, embeds, positions, kv, backend, plan) -> torch.Tensor:
+        """The last layer's output before the final norm, ``[num_tokens, hidden]``: one of
+        :meth:`layer_states` (the same arguments, without ``layers``)."""
         return self.layer_states(embeds, positions, kv, backend, plan, (self.config.num_layers,))[0]
 
     def layer_states(

@@ -26,26 +26,20 @@ from pathlib import Path
 import attrs
 import torch
 
-from specdec.config import speculative_tokens, unit_interval_closed_open
+from specdec.deprecation import moved_names
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
 from specdec.models.quantized import check_quantization
 from specdec.models.sub_vocab import SubVocabHead, check_token_ids
-from specdec.proposers.confidence import chains_end
-from specdec.sampling import processed_probs, sample_from_probs, shift_rows
-from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
+from specdec.proposers.chain_drafting import ChainProposerConfig, draft_chain
+from specdec.types import DraftProposal, ProposalKind
 
-__all__ = ["DraftModel", "DraftModelConfig"]
+__all__ = ["DraftModel"]
 
-
-@attrs.frozen(kw_only=True)
-class DraftModelConfig:
-    num_speculative_tokens: int = attrs.field(default=4, validator=speculative_tokens)
-    # A chain ends after a draft token of lower draft probability (softmax of the draft's raw
-    # logits); 0 drafts every chain to k.
-    confidence_threshold: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
+# The settings of every chain proposer are one config now.
+__getattr__ = moved_names(__name__, {"DraftModelConfig": "specdec.proposers.chain_drafting:ChainProposerConfig"})
 
 
 class DraftModel:
@@ -59,7 +53,7 @@ class DraftModel:
     kind = ProposalKind.CHAIN
     needs_target_hidden = False
 
-    def __init__(self, model: LlamaModel, config: DraftModelConfig, *, draft_vocab: object = None) -> None:
+    def __init__(self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model must be a specdec LlamaModel, got {type(model).__name__}")
         self.model = model
@@ -86,7 +80,7 @@ class DraftModel:
         ``confidence_threshold`` in [0, 1): end a chain after a token the draft gives less than
         that probability (module docstring); 0 always drafts k tokens. ``draft_vocab``: token
         ids to draft from (module docstring); ``None``: the whole vocabulary."""
-        config = DraftModelConfig(
+        config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )  # validate first
         check_quantization(quantization, device)
@@ -104,7 +98,7 @@ class DraftModel:
         confidence_threshold: float = 0.0,
         draft_vocab: object = None,
     ) -> DraftModel:
-        config = DraftModelConfig(
+        config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )
         return cls(model, config, draft_vocab=draft_vocab)
@@ -134,44 +128,36 @@ class DraftModel:
         return (self.model.config.kv_spec("draft", self.model.dtype),)
 
     def propose(self, ctx: ProposeContext) -> DraftProposal:
-        k = ctx.num_speculative_tokens
-        st = ctx.sampling_tensors(self.model.device)
-        all_greedy = all(p.is_greedy for p in ctx.params)
+        greedy = all(p.is_greedy for p in ctx.params)
+        device = self.model.device
         starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
-        rows = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
-        drafted: list[torch.Tensor] = []  # steps x [batch] int64
-        probs: list[torch.Tensor] = []  # steps x [batch, vocab]
-        threshold = self.config.confidence_threshold
-        num_draft = [k] * len(rows)  # where each chain ends
-        fed: torch.Tensor | None = None  # [batch] the last step's drafts, kept on the device
-        for step in range(k):
-            layout = ctx.kv.layout(ctx.seq_ids, rows, starts, device=self.model.device)
-            if fed is not None:  # one row per sequence: its draft (a -1 only ends its chain)
-                layout = attrs.evolve(layout, token_ids=fed.clamp_min(0))
-            logits, columns = self._logits(layout, ctx, greedy=all_greedy)  # [batch, columns]
-            if all_greedy:
-                picked = logits.argmax(dim=-1)  # [batch] column indices
-                tokens = picked if columns is None else columns[picked]
-            else:
-                step_probs = processed_probs(logits, st)  # one-hot rows for greedy requests
-                tokens = picked = sample_from_probs(step_probs, shift_rows(ctx.generators, step))
-                probs.append(step_probs)
-            drafted.append(tokens)
-            starts = [s + len(r) for s, r in zip(starts, rows)]
-            if threshold > 0 and chains_end(logits, picked, threshold, step, num_draft):
-                break
-            if step + 1 < k:  # the next step feeds these drafts without reading them back
-                rows, fed = [[0]] * len(rows), tokens
-        for seq_id, start in zip(ctx.seq_ids, starts):
-            self._computed[seq_id] = start
-        draft_token_ids = torch.stack(drafted, dim=1)  # [batch, steps]
-        ended = torch.arange(len(drafted)).unsqueeze(0) >= torch.tensor(num_draft).unsqueeze(1)
-        draft_token_ids = draft_token_ids.masked_fill(ended.to(draft_token_ids.device), PAD_TOKEN_ID)
+        # Step 0 runs every token the draft has not seen yet; each later step one row per
+        # sequence, its previous draft (fed from the device: nothing is read back).
+        firsts = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
+        after_first = [s + len(r) for s, r in zip(starts, firsts)]  # slot of step 1's row
+
+        def next_logits(step: int, previous: torch.Tensor | None):
+            if previous is None:
+                layout = ctx.kv.layout(ctx.seq_ids, firsts, starts, device=device)
+            else:  # a -1 only ends its chain: any valid id may stand in
+                slots = [s + step - 1 for s in after_first]
+                layout = ctx.kv.layout(ctx.seq_ids, [[0]] * len(slots), slots, device=device)
+                layout = attrs.evolve(layout, token_ids=previous.clamp_min(0))
+            return self._logits(layout, ctx, greedy=greedy)  # [batch, columns]
+
+        chain = draft_chain(
+            next_logits, ctx.num_speculative_tokens, greedy=greedy,
+            sampling=None if greedy else ctx.sampling_tensors(device), generators=ctx.generators,
+            confidence_threshold=self.config.confidence_threshold,
+        )  # fmt: skip
+        steps = chain.token_ids.shape[1]
+        for seq_id, slot in zip(ctx.seq_ids, after_first):
+            self._computed[seq_id] = slot + steps - 1
         return DraftProposal(
             kind=ProposalKind.CHAIN,
-            draft_token_ids=draft_token_ids,
-            num_draft_tokens=tuple(num_draft),
-            draft_probs=torch.stack(probs, dim=1) if probs else None,  # [batch, steps, vocab]
+            draft_token_ids=chain.token_ids,  # [batch, steps]
+            num_draft_tokens=chain.num_draft_tokens,
+            draft_probs=chain.probs,  # [batch, steps, vocab]
         )
 
     def _logits(self, layout, ctx: ProposeContext, *, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

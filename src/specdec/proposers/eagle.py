@@ -32,10 +32,13 @@ from pathlib import Path
 import torch
 
 from specdec.interfaces import ProposeContext, TargetStep
-from specdec.kv.paged import KVSpec, ModelKV
-from specdec.models.eagle import EagleHeadModel, load_eagle_head
+from specdec.kv.paged import ModelKV
+from specdec.models.eagle_checkpoints import load_eagle_head
+from specdec.models.eagle_head import EagleHeadModel
+from specdec.models.head_io import head_files
 from specdec.models.llama import LlamaModel
 from specdec.models.quantized import check_quantization
+from specdec.proposers.head_proposer import HeadProposer
 from specdec.proposers.tree_shape import Node, TreeShape, best_first, expansions
 from specdec.types import DraftProposal, ProposalKind, pad_rows
 from specdec.verify.tree_layout import tree_mask
@@ -43,8 +46,8 @@ from specdec.verify.tree_layout import tree_mask
 __all__ = ["EAGLETree"]
 
 
-class EAGLETree:
-    """Tree speculation with an EAGLE-1/2 or EAGLE-3 head (see :mod:`specdec.models.eagle`).
+class EAGLETree(HeadProposer):
+    """Tree speculation with an EAGLE-1/2 or EAGLE-3 head (its network: :mod:`specdec.models.eagle_head`).
 
     ``tree``: a list of paths for a static tree; ``None`` for the dynamic tree of ``top_k``,
     ``depth`` and ``num_verify_tokens`` draft nodes. ``num_speculative_tokens`` is the tree's
@@ -58,23 +61,13 @@ class EAGLETree:
     """
 
     kind = ProposalKind.TREE
-    needs_target_hidden = True
+    head_name = "EAGLE head"
 
-    def __init__(
-        self,
-        shape: TreeShape,
-        *,
-        head: EagleHeadModel | None = None,
-        path: Path | None = None,
-        target_layers: tuple[int, ...] | None = None,
-        quantization: str | None = None,
-    ) -> None:
+    def __init__(self, shape: TreeShape, *, head: EagleHeadModel | None = None, path: Path | None = None,
+                 target_layers: tuple[int, ...] | None = None, quantization: str | None = None) -> None:  # fmt: skip
+        super().__init__(head=head, path=path, quantization=quantization)
         self.shape = shape
-        self.head = head
-        self._path = path
-        self._target_layers = target_layers
-        self._quantization = quantization
-        self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output, last committed row
+        self._target_layers = target_layers  # overrides a public EAGLE-3 head's
 
     @classmethod
     def from_pretrained(
@@ -98,9 +91,7 @@ class EAGLETree:
         )
         check_quantization(quantization, "cpu")  # the value; the device is checked on loading
         path = Path(path).expanduser()
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"EAGLE head path {str(path)!r} has no {name}")
+        head_files(path, "EAGLE head")  # both files there (their contents are read on attach)
         return cls(shape, path=path, target_layers=target_layers, quantization=quantization)
 
     @classmethod
@@ -126,34 +117,19 @@ class EAGLETree:
     @property
     def target_hidden_layers(self) -> tuple[int, ...]:
         """The target layers whose inputs the head feeds on (the engine asks the target)."""
-        if self.head is None:
-            raise RuntimeError("EAGLETree is not attached to a target yet (a Generator does that)")
-        return self.head.config.target_layers
+        return self._attached_head().config.target_layers
 
-    def attach(self, target: LlamaModel) -> None:
-        """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
-        if self.head is None:
-            self.head = load_eagle_head(
-                self._path, target, target_layers=self._target_layers, quantization=self._quantization
-            )
-        elif self.head.target is not target:
-            self.head.config.check_target(target.config)
-            if self.head.target.embed_tokens.weight is not target.embed_tokens.weight:
-                raise ValueError(
-                    "this EAGLE head was built on another target model instance; load it with "
-                    "from_pretrained"
-                )
+    def _load(self, target: LlamaModel) -> EagleHeadModel:
+        return load_eagle_head(self._path, target, target_layers=self._target_layers, quantization=self._quantization)
 
-    def kv_specs(self) -> tuple[KVSpec, ...]:
-        if self.head is None:
-            raise RuntimeError("EAGLETree is not attached to a target yet (a Generator does that)")
-        return (self.head.kv_spec("eagle"),)
+    def _feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.target_feature(hidden)  # [rows, hidden] from the target layers' states
 
     # --------------------------------------------------------------- drafting
     @torch.inference_mode()
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         n = ctx.num_speculative_tokens
-        live = [i for i, s in enumerate(ctx.seq_ids) if s in self._g]  # all of them, normally
+        live = self._live_rows(ctx.seq_ids)
         trees: list[list[Node]] = [[] for _ in ctx.seq_ids]
         if live:
             grown = self._grow(
@@ -191,7 +167,7 @@ class EAGLETree:
         expands nodes that can lead to one of the ``keep`` best (:func:`expansions`)."""
         head = self.head
         trees: list[list[Node]] = [[] for _ in seq_ids]
-        root_g = torch.stack([self._g[s] for s in seq_ids])  # [batch, hidden]
+        root_g = self._outputs(seq_ids)  # [batch, hidden]
         expanded: list[list[int]] = [[] for _ in seq_ids]  # per sequence: nodes with a head row
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in seq_ids]  # node -> [hidden] g
         ids = head.draft_to_target  # [draft_vocab] target id of each draft logit
@@ -249,17 +225,7 @@ class EAGLETree:
     # ------------------------------------------------------ following the target
     @torch.inference_mode()
     def on_target_step(self, step: TargetStep) -> None:
-        hidden, next_tokens = step.kept_pairs()  # [kept rows, width of the target layers]
-        head = self.head
-        layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=head.device)
-        plan = step.backend.plan(layout, head.attention_spec)
-        g = head(head.target_feature(hidden), layout.token_ids, layout.positions, step.kv, step.backend, plan)
-        last = g[layout.last_row_indices]  # [batch, hidden]
-        for i, seq_id in enumerate(step.seq_ids):
-            self._g[seq_id] = last[i]
-
-    def release(self, seq_id: int) -> None:
-        self._g.pop(seq_id, None)
+        super().on_target_step(step)
 
 
 def _add_children(

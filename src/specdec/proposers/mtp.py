@@ -8,45 +8,41 @@ predicts the token after the last emitted one (draft 1). Each step:
   written to the head's KV at the slots the target will verify next.
 - ``on_target_step`` (after every target pass: prefill, plain decode, verify): re-run the head
   over the rows the target kept, pairing the target's hidden state at row ``r`` with the
-  committed token after it. This overwrites the draft-time KV with states computed from the
-  target's (more accurate) hidden states, and yields the new ``g``.
+  committed token after it (:mod:`specdec.proposers.head_state`), which yields the new ``g``.
 
-With ``confidence_threshold`` a sequence's chain ends after the first draft the head gives less
-than that probability, as the draft model's does (:mod:`specdec.proposers.confidence`): k is
-then a ceiling. Verification and sampling are the chain verifier's and the sampler's. The head's KV pages come
-from the generator's shared allocator (same page ids as the target, its own one-layer pool).
+The drafting loop (sampling, ``confidence_threshold``) is the draft model's
+(:mod:`specdec.proposers.chain_drafting`). Verification and sampling are the chain verifier's and
+the sampler's. The head's KV pages come from the generator's shared allocator (same page ids as
+the target, its own one-layer pool).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
 import torch
 
-from specdec.config import speculative_tokens, unit_interval_closed_open
-from specdec.interfaces import ProposeContext, TargetStep
-from specdec.kv.paged import KVSpec
-from specdec.models.heads import MTPHeadConfig, MTPHeadModel, load_draft_vocab, load_mtp_head
+from specdec.deprecation import moved_names
+from specdec.interfaces import ProposeContext
 from specdec.models.llama import LlamaModel
+from specdec.models.mtp_head import MTPModule, load_draft_vocab, load_mtp_head, read_mtp_config
 from specdec.models.quantized import check_quantization, quantize_linears
 from specdec.models.sub_vocab import SubVocabHead
-from specdec.proposers.confidence import chains_end
-from specdec.sampling import processed_probs, sample_from_probs, shift_rows
+from specdec.proposers.chain_drafting import ChainProposerConfig, draft_chain
+from specdec.proposers.head_proposer import HeadProposer
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
-__all__ = ["MTPHead", "MTPHeadProposerConfig"]
+__all__ = ["MTPHead"]
+
+# The settings of every chain proposer are one config now.
+__getattr__ = moved_names(
+    __name__, {"MTPHeadProposerConfig": "specdec.proposers.chain_drafting:ChainProposerConfig"}
+)
 
 
-@attrs.frozen(kw_only=True)
-class MTPHeadProposerConfig:
-    num_speculative_tokens: int = attrs.field(default=1, validator=speculative_tokens)
-    confidence_threshold: float = attrs.field(default=0.0, validator=unit_interval_closed_open)
-
-
-class MTPHead:
-    """Speculation with a trained MTP head (see :mod:`specdec.models.heads`).
+class MTPHead(HeadProposer):
+    """Speculation with a trained MTP head (its network: :mod:`specdec.models.mtp_head`).
 
     Example:
         >>> mtp = MTPHead.from_pretrained("heads/qwen-0.5b-mtp", num_speculative_tokens=2)
@@ -58,22 +54,12 @@ class MTPHead:
     """
 
     kind = ProposalKind.CHAIN
-    needs_target_hidden = True
+    head_name = "MTP head"
 
-    def __init__(
-        self,
-        config: MTPHeadProposerConfig,
-        *,
-        head: MTPHeadModel | None = None,
-        path: Path | None = None,
-        draft_vocab: torch.Tensor | None = None,
-        quantization: str | None = None,
-    ) -> None:
+    def __init__(self, config: ChainProposerConfig, *, head: MTPModule | None = None, path: Path | None = None,
+                 draft_vocab: torch.Tensor | None = None, quantization: str | None = None) -> None:  # fmt: skip
+        super().__init__(head=head, path=path, quantization=quantization)  # also the sub head's
         self.config = config
-        self.head = head
-        self._path = path
-        self._quantization = quantization  # of the head's linears and its draft-vocabulary head
-        self._g: dict[int, torch.Tensor] = {}  # seq_id -> [hidden] head output at the last committed slot
         # Drafting from a subset of the vocabulary (the tokens most frequent in training) cuts
         # the LM-head product, the largest cost of a draft on a small target. Still lossless:
         # the draft distribution is simply zero outside the subset, and verification uses it.
@@ -98,31 +84,25 @@ class MTPHead:
         draft-vocabulary rows of the LM head) in that format on a CPU: cheaper drafts, the same
         output. ``confidence_threshold`` in [0, 1): end a chain after a draft the head gives less
         than this probability (0: always k drafts)."""
-        config = MTPHeadProposerConfig(
+        config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )  # validated first
         check_quantization(quantization, "cpu")  # the value; the device is checked on loading
         path = Path(path).expanduser()
-        for name in ("config.json", "model.safetensors"):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"MTP head path {str(path)!r} has no {name}")
-        try:
-            MTPHeadConfig.from_json(json.loads((path / "config.json").read_text()))
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{str(path / 'config.json')!r} is not an MTP head config: {err}") from err
+        read_mtp_config(path)  # both files there, and the config one of an MTP head
         vocab = None if draft_vocab_size is None else load_draft_vocab(path, draft_vocab_size)
         return cls(config, path=path, draft_vocab=vocab, quantization=quantization)
 
     @classmethod
     def from_model(
         cls,
-        head: MTPHeadModel,
+        head: MTPModule,
         *,
         num_speculative_tokens: int = 1,
         draft_vocab: torch.Tensor | None = None,
         confidence_threshold: float = 0.0,
     ) -> MTPHead:
-        config = MTPHeadProposerConfig(
+        config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )
         return cls(config, head=head, draft_vocab=draft_vocab)
@@ -132,19 +112,13 @@ class MTPHead:
         return self.config.num_speculative_tokens
 
     def attach(self, target: LlamaModel) -> None:
-        """Bind to the generator's target: load the weights (from_pretrained) or check the fit."""
-        if self.head is None:
-            self.head = load_mtp_head(self._path, target, quantization=self._quantization)
+        loaded = self.head is None
+        super().attach(target)
+        if loaded:  # the draft vocabulary's rows of the LM head it now borrows
             self._build_sub_head()
-        elif self.head.target is not target:
-            self.head.config.check_target(target.config)
-            if self.head.target.embed_tokens.weight is not target.embed_tokens.weight:
-                raise ValueError("this MTP head was built on another target model instance; load it with from_pretrained")
 
-    def kv_specs(self) -> tuple[KVSpec, ...]:
-        if self.head is None:
-            raise RuntimeError("MTPHead is not attached to a target yet (a Generator does that)")
-        return (self.head.kv_spec("mtp"),)
+    def _load(self, target: LlamaModel) -> MTPModule:
+        return load_mtp_head(self._path, target, quantization=self._quantization)
 
     def _build_sub_head(self) -> None:
         if self._draft_vocab is not None:
@@ -161,73 +135,63 @@ class MTPHead:
 
     # --------------------------------------------------------------- drafting
     def propose(self, ctx: ProposeContext) -> DraftProposal:
-        k = ctx.num_speculative_tokens
-        batch = len(ctx.seq_ids)
-        live = [i for i, s in enumerate(ctx.seq_ids) if s in self._g]  # all of them, normally
-        all_greedy = all(p.is_greedy for p in ctx.params)
-        probs_out = None if all_greedy else torch.zeros(batch, k, self.head.target_config.vocab_size, device=ctx.device)
-        # The drafts stay on the device: each step's layout takes the previous step's tokens as
-        # they are, so drafting reads nothing back (the engine reads the whole proposal once).
-        draft_ids = torch.full((batch, k), PAD_TOKEN_ID, dtype=torch.int64, device=ctx.device)
+        k, batch = ctx.num_speculative_tokens, len(ctx.seq_ids)
+        live = self._live_rows(ctx.seq_ids)
+        greedy = all(p.is_greedy for p in ctx.params)
+        vocab = self.head.target_config.vocab_size
+        if not live:
+            return _chain_proposal(
+                torch.full((batch, k), PAD_TOKEN_ID, dtype=torch.int64, device=ctx.device), [0] * batch,
+                None if greedy else torch.zeros(batch, k, vocab, device=ctx.device),
+            )  # fmt: skip
+        chain = self._draft(ctx, live, greedy)
+        # The proposal is as wide as the steps taken (the policy prices drafting by them).
+        steps = chain.token_ids.shape[1]
+        rows = torch.tensor(live, dtype=torch.int64, device=ctx.device)
+        draft_ids = torch.full((batch, steps), PAD_TOKEN_ID, dtype=torch.int64, device=ctx.device)
+        draft_ids[rows] = chain.token_ids.to(ctx.device)
+        probs = None
+        if chain.probs is not None:  # float32 on the target's device, as the verifier takes them
+            probs = torch.zeros(batch, steps, vocab, device=ctx.device)
+            probs[rows] = chain.probs.to(probs.dtype)
         num_draft = [0] * batch
-        if live:
-            seq_ids = [ctx.seq_ids[i] for i in live]
-            gens = [ctx.generators[i] for i in live]
-            st = None if all_greedy else ctx.sampling_tensors(self.head.device).select_rows(live)
-            g = torch.stack([self._g[s] for s in seq_ids])  # [live, hidden]
-            slots = [len(ctx.token_ids[i]) - 1 for i in live]  # the next verify pass's first slot
-            spec = self.head.target_config.attention_spec
-            tokens = torch.empty(0, dtype=torch.int64)  # [live] the previous position's drafts
-            columns: list[torch.Tensor] = []  # steps x [live] int64
-            threshold = self.config.confidence_threshold
-            ends = [k] * len(live)  # where each live chain ends
-            for j in range(k):
-                if j > 0:  # feed the head its own output and the draft just made
-                    placeholder = [[0]] * len(seq_ids)  # token ids come from the device below
-                    layout = ctx.kv.layout(seq_ids, placeholder, [s + j - 1 for s in slots], device=self.head.device)
-                    # A row with no distribution drafted -1 (PAD): it ends there, the embedding
-                    # just needs a valid id.
-                    layout = attrs.evolve(layout, token_ids=tokens.clamp_min(0))
-                    plan = ctx.backend.plan(layout, spec)
-                    g = self.head(g, layout.token_ids, layout.positions, ctx.kv, ctx.backend, plan)
-                logits = self._draft_logits(g)  # [live, vocab]
-                if all_greedy:
-                    tokens = logits.argmax(dim=-1)
-                else:
-                    step_probs = processed_probs(logits, st)
-                    tokens = sample_from_probs(step_probs, shift_rows(gens, j))
-                    probs_out[live, j] = step_probs.to(probs_out.dtype)
-                columns.append(tokens)
-                # The column drafted is the token itself: the logits span the whole vocabulary.
-                # (The rule reads each step's confidences back: the one host read drafting makes,
-                # and only with a threshold.)
-                if threshold > 0 and chains_end(logits, tokens, threshold, j, ends):
-                    break
-            # The proposal is as wide as the steps taken (the policy prices drafting by them).
-            steps = len(columns)
-            draft_ids = draft_ids[:, :steps].contiguous()
-            probs_out = None if probs_out is None else probs_out[:, :steps].contiguous()
-            rows = torch.tensor(live, dtype=torch.int64, device=ctx.device)
-            drafted = torch.stack(columns, dim=1)  # [live, steps]
-            ended = torch.arange(steps).unsqueeze(0) >= torch.tensor(ends).unsqueeze(1)  # [live, steps]
-            draft_ids[rows] = drafted.masked_fill(ended.to(drafted.device), PAD_TOKEN_ID).to(ctx.device)
-            for i, n in zip(live, ends):
-                num_draft[i] = n
-        return DraftProposal(
-            kind=ProposalKind.CHAIN,
-            draft_token_ids=draft_ids,
-            num_draft_tokens=tuple(num_draft),
-            draft_probs=probs_out,
-        )
+        for i, n in zip(live, chain.num_draft_tokens):
+            num_draft[i] = n
+        return _chain_proposal(draft_ids, num_draft, probs)
 
-    def on_target_step(self, step: TargetStep) -> None:
-        hidden, next_tokens = step.kept_pairs()  # [kept rows, hidden]
-        layout = step.kv.layout(step.seq_ids, next_tokens, step.start_slots, device=self.head.device)
-        plan = step.backend.plan(layout, self.head.target_config.attention_spec)
-        g = self.head(hidden, layout.token_ids, layout.positions, step.kv, step.backend, plan)
-        last = g[layout.last_row_indices]  # [batch, hidden]
-        for i, seq_id in enumerate(step.seq_ids):
-            self._g[seq_id] = last[i]
+    def _draft(self, ctx: ProposeContext, live: list[int], greedy: bool):
+        """The chains of the ``live`` rows: draft 1 from ``g``'s logits, each later one from a
+        head forward that feeds the head its own output and the draft just made, written to the
+        head's KV at the slots the target verifies next."""
+        head = self.head
+        seq_ids = [ctx.seq_ids[i] for i in live]
+        slots = [len(ctx.token_ids[i]) - 1 for i in live]  # the next verify pass's first slot
+        g = self._outputs(seq_ids)  # [live, hidden]
 
-    def release(self, seq_id: int) -> None:
-        self._g.pop(seq_id, None)
+        def next_logits(step: int, previous: torch.Tensor | None):
+            nonlocal g
+            if previous is not None:  # token ids come from the device below
+                positions = [s + step - 1 for s in slots]
+                layout = ctx.kv.layout(seq_ids, [[0]] * len(seq_ids), positions, device=head.device)
+                # A row with no distribution drafted -1 (PAD): it ends there, the embedding
+                # just needs a valid id.
+                layout = attrs.evolve(layout, token_ids=previous.clamp_min(0))
+                plan = ctx.backend.plan(layout, head.attention_spec)
+                g = head(g, layout.token_ids, layout.positions, ctx.kv, ctx.backend, plan)
+            return self._draft_logits(g), None  # [live, vocab]: the columns are the token ids
+
+        return draft_chain(
+            next_logits, ctx.num_speculative_tokens, greedy=greedy,
+            sampling=None if greedy else ctx.sampling_tensors(head.device).select_rows(live),
+            generators=[ctx.generators[i] for i in live],
+            confidence_threshold=self.config.confidence_threshold,
+        )  # fmt: skip
+
+
+def _chain_proposal(draft_ids: torch.Tensor, num_draft: list[int], probs: torch.Tensor | None) -> DraftProposal:
+    return DraftProposal(
+        kind=ProposalKind.CHAIN,
+        draft_token_ids=draft_ids,  # [batch, steps] int64
+        num_draft_tokens=tuple(num_draft),
+        draft_probs=probs,  # [batch, steps, vocab] float32, or None when all greedy
+    )

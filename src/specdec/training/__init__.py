@@ -1,5 +1,6 @@
 """Training pipelines for proposer heads (MTP and EAGLE share the data, features and loop)."""
 
+from specdec.deprecation import moved_names
 from specdec.training.data import (
     TrainData,
     build_chunks,
@@ -8,17 +9,17 @@ from specdec.training.data import (
     text_files,
     token_chunks,
 )
-from specdec.training.eagle import EagleTrainConfig, EagleTrainResult, train_eagle
+from specdec.training.eagle import EagleTrainConfig, train_eagle
 from specdec.training.features import FeatureStore, compute_features
-from specdec.training.mtp import MTPTrainConfig, MTPTrainResult, train_mtp
+from specdec.training.loop import TrainResult
+from specdec.training.mtp import MTPTrainConfig, train_mtp
 
 __all__ = [
     "EagleTrainConfig",
-    "EagleTrainResult",
     "FeatureStore",
     "MTPTrainConfig",
-    "MTPTrainResult",
     "TrainData",
+    "TrainResult",
     "build_chunks",
     "compute_features",
     "read_prompts",
@@ -28,3 +29,12 @@ __all__ = [
     "train_eagle",
     "train_mtp",
 ]
+
+# Both trainers return one record now.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "EagleTrainResult": "specdec.training.loop:TrainResult",
+        "MTPTrainResult": "specdec.training.loop:TrainResult",
+    },
+)

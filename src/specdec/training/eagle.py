@@ -1,6 +1,6 @@
 """Train an EAGLE head (EAGLE-1/2 or EAGLE-3) on cached target features.
 
-Rows as in :mod:`specdec.models.eagle`: row ``p`` pairs the feature ``f_p`` with token
+Rows as in :mod:`specdec.models.eagle_head`: row ``p`` pairs the feature ``f_p`` with token
 ``t_{p+1}`` at RoPE position ``p`` and yields ``g_p``, which predicts ``t_{p+2}`` and, while
 drafting, is the next row's feature. Training unrolls the drafting the proposer does
 (the *training-time test*): for an anchor row ``a`` (a committed row), step 0 is the row the
@@ -18,8 +18,8 @@ at inference. Step ``i``'s output is compared with the target at position ``a + 
 Step ``i`` weighs ``step_weight ** i`` (0.8). Uniform noise of width ``noise`` on the step-0
 features during training (EAGLE's robustness to feature error). The draft vocabulary of an
 EAGLE-3 head is the ``draft_vocab_size`` most frequent tokens of the training data (``d2t``
-saved with the head). The optimisation loop, checkpoints and resumption are the MTP trainer's
-(:func:`specdec.training.mtp.train_loop`); validation runs the real
+saved with the head). The optimisation loop, checkpoints and resumption are every trainer's
+(:func:`specdec.training.loop.fit_head`); validation runs the real
 :class:`~specdec.proposers.EAGLETree` inside a :class:`~specdec.Generator`.
 
 Example:
@@ -30,30 +30,33 @@ Example:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from specdec.config import boolean, positive_int
-from specdec.models.eagle import EagleHeadConfig, EagleHeadModel, EagleKind, save_eagle_head
-from specdec.models.llama import LlamaModel, apply_rope, rms_norm
-from specdec.models.packed import linear_weights, pack_linears, should_pack
-from specdec.training.features import FeatureStore
-from specdec.training.mtp import (
-    config_json,
+from specdec.config import (
+    boolean,
+    layer_indices,
     non_negative_float,
-    positive_float,
-    split_indices,
-    train_loop,
+    optional,
+    positive_int,
+    sequence_to_tuple,
+    unit_interval_open_closed,
 )
+from specdec.deprecation import moved_names
+from specdec.models.eagle_checkpoints import save_eagle_head
+from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
+from specdec.models.head_module import copy_matching_layer, dense_qkv, inference_copy
+from specdec.models.llama import LlamaModel, rms_norm
+from specdec.models.packed import linear_weights
+from specdec.training.features import FeatureStore
+from specdec.training.loop import LoopConfig, TrainResult, fit_head
 
 __all__ = [
     "EagleTrainConfig",
-    "EagleTrainResult",
     "train_eagle",
     "eagle_feature_layers",
     "new_eagle_head",
@@ -66,22 +69,11 @@ __all__ = [
 FIRST_ANCHOR = 1  # anchors before this row of a chunk are left out of the loss (see train_eagle)
 
 
-def _layers_tuple(value: object) -> object:
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def _optional_positive_int(instance, attribute, value) -> None:
-    if value is not None:
-        positive_int(instance, attribute, value)
-
-
-def _step_weight(instance, attribute, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
+__getattr__ = moved_names(__name__, {"EagleTrainResult": "specdec.training.loop:TrainResult"})
 
 
 @attrs.frozen(kw_only=True)
-class EagleTrainConfig:
+class EagleTrainConfig(LoopConfig):
     """Everything an EAGLE training run depends on (checkpoints refuse another config).
 
     ``target_layers``/``draft_vocab_size``/``ttt_steps`` default per kind: EAGLE-1 ``(N,)``, the
@@ -94,16 +86,12 @@ class EagleTrainConfig:
     kind: EagleKind = attrs.field(
         default=EagleKind.EAGLE1, validator=attrs.validators.instance_of(EagleKind)
     )
-    target_layers: tuple[int, ...] | None = attrs.field(default=None, converter=_layers_tuple)
-    draft_vocab_size: int | None = attrs.field(default=None, validator=_optional_positive_int)
-    ttt_steps: int | None = attrs.field(default=None, validator=_optional_positive_int)
-    step_weight: float = attrs.field(default=0.8, validator=_step_weight)
-    steps: int = attrs.field(default=1000, validator=positive_int)
-    batch_size: int = attrs.field(default=8, validator=positive_int)  # chunks per step
-    lr: float = attrs.field(default=1e-3, validator=positive_float)
-    warmup_steps: int = attrs.field(default=50, validator=positive_int)
-    min_lr_ratio: float = attrs.field(default=0.1, validator=non_negative_float)
-    weight_decay: float = attrs.field(default=0.0, validator=non_negative_float)
+    target_layers: tuple[int, ...] | None = attrs.field(
+        default=None, converter=sequence_to_tuple, validator=optional(layer_indices)
+    )
+    draft_vocab_size: int | None = attrs.field(default=None, validator=optional(positive_int))
+    ttt_steps: int | None = attrs.field(default=None, validator=optional(positive_int))
+    step_weight: float = attrs.field(default=0.8, validator=unit_interval_open_closed)
     hidden_loss_weight: float = attrs.field(default=1.0, validator=non_negative_float)  # EAGLE-1
     token_loss_weight: float = attrs.field(default=0.1, validator=non_negative_float)  # EAGLE-1
     noise: float = attrs.field(default=0.2, validator=non_negative_float)  # uniform width
@@ -114,22 +102,8 @@ class EagleTrainConfig:
     # draft vocabulary) fixed, so a short run spends its steps on the layer, not on relearning
     # a projection the target already has.
     freeze_lm_head: bool = attrs.field(default=False, validator=boolean)
-    val_fraction: float = attrs.field(default=0.05, validator=non_negative_float)
-    val_every: int = attrs.field(default=200, validator=positive_int)
-    checkpoint_every: int = attrs.field(default=200, validator=positive_int)
-    max_seconds: float | None = None  # stop early (and save) after this much training time
-    seed: int = 0
 
     def __attrs_post_init__(self) -> None:
-        layers = self.target_layers
-        if layers is not None and (
-            not isinstance(layers, tuple)
-            or not layers
-            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
-        ):
-            raise ValueError(
-                f"target_layers must be a non-empty tuple of ints >= 0, got {layers!r}"
-            )
         if self.kind is EagleKind.EAGLE1 and self.freeze_lm_head:
             raise ValueError("freeze_lm_head is for EAGLE-3 heads (an EAGLE-1 head uses the target's LM head)")
         if self.kind is EagleKind.EAGLE1 and self.draft_vocab_size is not None:
@@ -143,14 +117,6 @@ class EagleTrainConfig:
         if self.ttt_steps is not None:
             return self.ttt_steps
         return 1 if self.kind is EagleKind.EAGLE1 else 7
-
-
-@attrs.frozen
-class EagleTrainResult:
-    head: EagleHeadModel  # float32 training copy
-    history: list[dict[str, float]]
-    train_seconds: float
-    steps: int
 
 
 def head_config(target: LlamaModel, config: EagleTrainConfig) -> EagleHeadConfig:
@@ -205,7 +171,7 @@ def new_eagle_head(
                 head.lm_head.requires_grad_(False)
                 head.norm.requires_grad_(False)
         if config.init_from_last_layer:
-            _copy_last_layer(head, target)
+            copy_matching_layer(head.layer, target.layers[-1])
             if config.kind is EagleKind.EAGLE1:
                 head.fc.weight[:, hidden:].copy_(torch.eye(hidden))
                 if head.fc.bias is not None:
@@ -232,25 +198,6 @@ def _init_eagle3_from_last_layer(head: EagleHeadModel, target: LlamaModel) -> No
     qkv[:, hidden:].copy_(linear_weights(target.layers[-1].self_attn.qkv_proj)[0].float())
 
 
-def _copy_last_layer(head: EagleHeadModel, target: LlamaModel) -> None:
-    src = target.layers[-1]
-    for name, module in head.layer.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            weight, bias = linear_weights(src.get_submodule(name))
-            if tuple(weight.shape) == tuple(module.weight.shape):
-                module.weight.copy_(weight.float())
-                if module.bias is not None and bias is not None:
-                    module.bias.copy_(bias.float())
-    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        if hasattr(head.layer, name):
-            source = (
-                src.post_attention_layernorm
-                if name == "post_attention_layernorm"
-                else src.input_layernorm
-            )
-            getattr(head.layer, name).weight.copy_(source.weight.float())
-
-
 def draft_vocabulary(features: FeatureStore, size: int, vocab_size: int) -> torch.Tensor:
     """``[size] int64`` sorted target ids: the ``size`` most frequent tokens of the data, topped
     up with the lowest unseen ids if the data holds fewer."""
@@ -272,23 +219,13 @@ def unrolled_outputs(
     ``1..i`` of anchor ``a``. Step 0 alone equals :meth:`EagleHeadModel.forward_dense`."""
     b, a, _ = feature.shape
     attn = head.layer.self_attn
-    rep, scale = attn.num_heads // attn.num_kv_heads, attn.head_dim**-0.5
+    scale = attn.head_dim**-0.5
     causal = torch.ones(a, a, dtype=torch.bool, device=feature.device).tril()  # [A, A]
     keys, values, outputs = [], [], []
     for i in range(steps):
         attn_in, residual = head.layer_input(feature, tokens[:, i : i + a])
         cos, sin = head.rope(torch.arange(i, i + a, device=feature.device))  # [A, 1, D]
-        q, k, v = attn.qkv_proj(attn_in).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-        q = apply_rope(q.view(b, a, attn.num_heads, attn.head_dim), cos, sin).transpose(
-            1, 2
-        )  # [B, h, A, D]
-        k = apply_rope(k.view(b, a, attn.num_kv_heads, attn.head_dim), cos, sin)
-        k = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, h, A, D]
-        v = (
-            v.view(b, a, attn.num_kv_heads, attn.head_dim)
-            .repeat_interleave(rep, dim=2)
-            .transpose(1, 2)
-        )
+        q, k, v = dense_qkv(attn, attn_in, cos, sin)  # [B, h, A, D]
         keys.append(k)
         values.append(v)
         prefix = (q @ keys[0].transpose(-1, -2) * scale).masked_fill(
@@ -306,23 +243,13 @@ def unrolled_outputs(
     return outputs
 
 
-def train_eagle(
-    target: LlamaModel,
-    features: FeatureStore,
-    config: EagleTrainConfig,
-    out_dir: str | Path,
-    *,
-    validate: Callable[[EagleHeadModel], dict[str, float]] | None = None,
-    resume: bool = True,
-    stop_at: int | None = None,
-    log: Callable[[str], None] | None = print,
-) -> EagleTrainResult:
+def train_eagle(target: LlamaModel, features: FeatureStore, config: EagleTrainConfig, out_dir: str | Path, **run) -> TrainResult:
     """Train an EAGLE head for ``target`` on ``features`` (computed for
     :func:`eagle_feature_layers`); writes the head (``out_dir``: config.json +
     model.safetensors), checkpoints (``out_dir/checkpoint``) and ``out_dir/train_log.json``.
-    ``validate(head)`` (e.g. :func:`measure_eagle` bound to prompts) runs every ``val_every``
-    steps and at the end; ``stop_at`` ends this call after that step with a checkpoint (the next
-    call resumes exactly)."""
+    ``run``: ``validate``, ``resume``, ``stop_at``, ``log``, as
+    :func:`~specdec.training.loop.fit_head` takes them (``validate(head)``: e.g.
+    :func:`measure_eagle` bound to prompts)."""
     if not isinstance(config, EagleTrainConfig):
         raise TypeError(f"config must be an EagleTrainConfig, got {type(config).__name__}")
     if not isinstance(features, FeatureStore):
@@ -338,8 +265,7 @@ def train_eagle(
         raise ValueError(
             f"chunks of {features.chunk_len} tokens are too short for ttt_steps={steps} (need >= {steps + 2})"
         )
-    out, device, cfg = Path(out_dir), target.device, target.config
-    train_idx, val_idx = split_indices(len(features), config)
+    device, cfg = target.device, target.config
     eagle3 = config.kind is EagleKind.EAGLE3
     draft_ids = (
         draft_vocabulary(features, head_config(target, config).draft_vocab_size, cfg.vocab_size)
@@ -403,36 +329,15 @@ def train_eagle(
                 parts[f"top1_{i}"] = agree
         return {"loss": total, **parts}
 
-    step, history, train_seconds = train_loop(
-        head,
-        losses,
-        config,
-        out,
-        train_idx=train_idx,
-        val_idx=val_idx,
-        validate=validate,
-        resume=resume,
-        stop_at=stop_at,
-        log=log,
-    )
-    save_eagle_head(export_eagle_head(head, target), out)
-    (out / "train_log.json").write_text(
-        json.dumps({"config": config_json(config), "history": history}, indent=1)
-    )
-    return EagleTrainResult(head=head, history=history, train_seconds=train_seconds, steps=step)
+    def save(trained: EagleHeadModel, out: Path) -> None:
+        save_eagle_head(export_eagle_head(trained, target), out)
+
+    return fit_head(head, losses, config, out_dir, num_chunks=len(features), save=save, **run)
 
 
 def export_eagle_head(head: EagleHeadModel, target: LlamaModel) -> EagleHeadModel:
     """An inference copy of ``head`` in the target's dtype (packed on bf16 CPUs)."""
-    out = EagleHeadModel(target, head.config)
-    out.load_state_dict(
-        {
-            k: v.detach().to(target.dtype) if v.is_floating_point() else v.detach()
-            for k, v in head.state_dict().items()
-        }
-    )
-    out = out.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
-    return pack_linears(out) if should_pack(out) else out
+    return inference_copy(head, target)
 
 
 def chain_tree(k: int) -> list[list[int]]:
