@@ -24,12 +24,15 @@ import torch
 from specdec.graphs import PassGraphs
 from specdec.interfaces import (
     AttentionBackend,
+    KindRules,
     ProposeContext,
     Proposer,
     Sampler,
+    Scheduler,
     SpeculationContext,
     SpeculationPolicy,
     TargetStep,
+    TracksRequests,
     Verifier,
 )
 from specdec.kv.paged import ModelKV
@@ -38,16 +41,17 @@ from specdec.models.llama import LlamaModel
 from specdec.policy import AdaptivePolicy
 from specdec.request import FinishReason, Request, RequestError, TokenLogprob
 from specdec.sampling import SamplingTensors, logprobs_of
-from specdec.scheduler import BatchScheduler, ScheduledBatch
+from specdec.scheduler import ScheduledBatch
 from specdec.types import (
     PAD_TOKEN_ID,
     BatchLayout,
     DraftProposal,
     ModelOutput,
     ProposalKind,
+    RequestEnd,
     StepOutput,
 )
-from specdec.verify.tree_layout import check_parents, kept_first_order, tree_depths, tree_rows
+from specdec.verify.kinds import default_kind_rules
 
 __all__ = ["Engine"]
 
@@ -61,9 +65,10 @@ class Engine:
         target: LlamaModel,
         target_kv: ModelKV,
         backend: AttentionBackend,
-        scheduler: BatchScheduler,
+        scheduler: Scheduler,
         sampler: Sampler,
         verifiers: Mapping[ProposalKind, Verifier] | None = None,
+        kind_rules: Mapping[ProposalKind, KindRules] | None = None,
         proposer: Proposer | None = None,
         proposer_kv: ModelKV | None = None,
         num_speculative_tokens: int = 0,
@@ -80,7 +85,13 @@ class Engine:
         self.sampler = sampler
         # The verifier of each proposal kind (chain, tree): a proposer's kind picks it.
         self.verifiers = dict(verifiers or {})
+        # What each kind needs around the verify pass (rows, masks, compaction): a table too.
+        self.kind_rules = dict(kind_rules or default_kind_rules())
         self.proposer = proposer
+        # The proposer's optional per-request hooks, and the requests it was told started
+        # (each start gets exactly one end).
+        self._tracker = proposer if isinstance(proposer, TracksRequests) else None
+        self._started: set[int] = set()
         self.proposer_kv = proposer_kv
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.policy = None if proposer is None else (policy or AdaptivePolicy())
@@ -109,12 +120,13 @@ class Engine:
         """
         batch = self.scheduler.schedule(self.num_speculative_tokens)
         for req in batch.preempted:
-            self._release_proposer(req)
+            self._release_proposer(req, RequestEnd.PREEMPTED)
         if batch.empty:
             return StepOutput.empty()
         timing = _StepTiming()
         start = self._clock()
         try:
+            self._start_requests(batch.admitted)
             if batch.decode_only and batch.lookahead > 0:
                 out = self._speculative_step(batch, timing)
             else:
@@ -210,10 +222,7 @@ class Engine:
         # Drafting past a request's remaining budget is wasted work: the last emitted token
         # is always the target's own, so at most remaining - 1 drafts can be kept.
         caps = tuple(max(0, r.remaining() - 1) for r in reqs)
-        if self.proposer.kind is ProposalKind.TREE:
-            # A tree's k counts nodes, not positions: any width fits while one draft can be
-            # kept (tokens past the budget are cut by the stop check, as for chains).
-            caps = tuple(lookahead if c > 0 else 0 for c in caps)
+        caps = self._kind_rules(self.proposer.kind).caps(caps, lookahead)
         ctx = SpeculationContext(
             seq_ids=tuple(r.seq_id for r in reqs),
             params=tuple(r.params for r in reqs),
@@ -250,6 +259,7 @@ class Engine:
             ProposeContext(
                 seq_ids=tuple(reqs[i].seq_id for i in drafting),
                 token_ids=tuple(reqs[i].token_ids for i in drafting),
+                prompt_lens=tuple(len(reqs[i].prompt_ids) for i in drafting),
                 params=tuple(reqs[i].params for i in drafting),
                 generators=tuple(reqs[i].randomness() for i in drafting),
                 num_speculative_tokens=lookahead,
@@ -261,14 +271,10 @@ class Engine:
             )
         )
         _check_proposal_shapes(proposal, len(drafting), lookahead, self.proposer.kind)
-        drafted, tree = _host_copies(proposal)  # the step's one read of the drafts
-        if tree is not None:
-            for row, n in zip(tree, proposal.num_draft_tokens):
-                check_parents(row, n, name="proposal parents")
+        rules = self._kind_rules(proposal.kind)
+        drafted, tree = rules.read_drafts(proposal)  # the step's one read of the drafts
         timing.draft_s = self._clock() - start
-        # A chain's width is the number of drafting steps actually taken (a proposer may end
-        # its chains before the lookahead); a tree's cost grows with the nodes asked for.
-        steps = proposal.width if proposal.kind is ProposalKind.CHAIN else lookahead
+        steps = rules.propose_steps(proposal, lookahead)
         self.policy.observe_propose(
             len(drafting), steps, timing.draft_s, sum(unseen[i] for i in drafting)
         )
@@ -304,24 +310,22 @@ class Engine:
         verifier = self.verifiers.get(proposal.kind)
         if verifier is None:
             raise ValueError(f"no verifier for {proposal.kind} proposals; have {sorted(k.value for k in self.verifiers)}")
+        rules = self._kind_rules(proposal.kind)
         num_draft = proposal.num_draft_tokens
         starts = [len(r.token_ids) - 1 for r in reqs]
         rows = [[r.token_ids[-1], *d[:n]] for r, d, n in zip(reqs, drafts, num_draft)]
-        if self._graphs_take_chain(len(reqs), proposal):
+        if self._graphs_take_padded(rules, len(reqs), proposal):
             # Every sequence gets the step's full width of rows (token 0 past its drafts, in
             # slots the step reserved anyway and nothing reads as committed), so the pass is
             # uniform and replays a captured graph; the extra rows' logits are never judged.
             rows = [row + [0] * (proposal.width + 1 - len(row)) for row in rows]
-        positions, tree_masks, depths = None, None, list(num_draft)
-        if proposal.kind is ProposalKind.TREE:
-            positions, tree_masks = tree_rows(parents, num_draft, starts)
-            depths = [max(tree_depths(p, n)) for p, n in zip(parents, num_draft)]
+        placed = rules.verify_rows(parents, num_draft, starts)
         layout = self.target_kv.layout(
             [r.seq_id for r in reqs],
             rows,
             starts,
-            positions=positions,
-            tree_masks=tree_masks,
+            positions=placed.positions,
+            tree_masks=placed.tree_masks,
             device=self.target.device,
         )
         out = self._target_pass(layout, timing)
@@ -342,13 +346,9 @@ class Engine:
         both = both.tolist()  # one device-to-host copy for tokens and rows
         emitted = [row[:width_1] for row in both]
         paths = [row[width_1:][:n] for row, n in zip(both, result.num_emitted)]
-        hidden, input_ids = out.hidden_states, layout.token_ids
-        if proposal.kind is ProposalKind.TREE:
-            for req, start, path in zip(reqs, starts, paths):
-                self.target_kv.manager.compact(req.seq_id, [start + r for r in path], start)
-            order = torch.tensor(kept_first_order(paths, layout.q_lens), dtype=torch.int64)
-            input_ids = input_ids[order.to(input_ids.device)]
-            hidden = None if hidden is None else hidden[order.to(hidden.device)]
+        input_ids, hidden = rules.commit(
+            self.target_kv.manager, layout, starts, paths, out.hidden_states
+        )  # a tree's kept path is compacted and put first
         return _Judged(
             layout=attrs.evolve(layout, token_ids=input_ids),
             starts=starts,
@@ -358,17 +358,23 @@ class Engine:
             paths=paths,
             prefix_rows=[0] * len(reqs),
             num_drafted=num_draft,
-            depths=depths,
+            depths=placed.depths,
             num_accepted=result.num_accepted,
             hidden=hidden,
             errors=errors,
         )
 
-    def _graphs_take_chain(self, batch: int, proposal: DraftProposal) -> bool:
-        """Whether this chain verify pass, padded to the step's width, replays a graph."""
+    def _kind_rules(self, kind: ProposalKind) -> KindRules:
+        rules = self.kind_rules.get(kind)
+        if rules is None:
+            raise ValueError(f"no rules for {kind} proposals; have {sorted(k.value for k in self.kind_rules)}")
+        return rules
+
+    def _graphs_take_padded(self, rules: KindRules, batch: int, proposal: DraftProposal) -> bool:
+        """Whether this verify pass, padded to the step's width, replays a graph."""
         return (
             self.graphs is not None
-            and proposal.kind is ProposalKind.CHAIN
+            and rules.pads_to_width
             and not self.proposer.needs_target_hidden
             and self.graphs.takes(batch, proposal.width + 1)
         )
@@ -516,13 +522,27 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
-        self._release_proposer(req)
+        self._release_proposer(req, reason.request_end)
 
-    def _release_proposer(self, req: Request) -> None:
-        if self.proposer is not None:
-            self.proposer.release(req.seq_id)
-            self.policy.release(req.seq_id)
-            self._seen.pop(req.seq_id, None)
+    def _start_requests(self, reqs: Sequence[Request]) -> None:
+        """Tell a proposer that tracks requests about the ones admitted this step."""
+        if self._tracker is None:
+            return
+        for req in reqs:
+            self._tracker.on_request_start(req.seq_id, tuple(req.prompt_ids))
+            self._started.add(req.seq_id)
+
+    def _release_proposer(self, req: Request, end: RequestEnd) -> None:
+        """Free the request's proposer and policy state; a tracking proposer hears ``end``
+        first (once per start)."""
+        if self.proposer is None:
+            return
+        if req.seq_id in self._started:
+            self._started.discard(req.seq_id)
+            self._tracker.on_request_end(req.seq_id, end)
+        self.proposer.release(req.seq_id)
+        self.policy.release(req.seq_id)
+        self._seen.pop(req.seq_id, None)
 
 
 @attrs.define
@@ -664,23 +684,6 @@ def _check_proposal_shapes(
         raise ValueError(
             f"proposer drafted {proposal.num_draft_tokens} tokens; allowed 0..{lookahead} per sequence"
         )
-    if kind is ProposalKind.TREE:
-        parents = proposal.parents
-        if parents is None or tuple(parents.shape) != tuple(proposal.draft_token_ids.shape):
-            got = None if parents is None else tuple(parents.shape)
-            raise ValueError(
-                f"a tree proposal needs parents of shape [batch, width] = "
-                f"{tuple(proposal.draft_token_ids.shape)}, got {got}"
-            )
-
-
-def _host_copies(proposal: DraftProposal) -> tuple[list[list[int]], list[list[int]] | None]:
-    """The proposal's drafts and (trees) parents as host lists, in one device-to-host copy."""
-    ids = proposal.draft_token_ids.to(torch.int64)
-    if proposal.parents is None or proposal.kind is not ProposalKind.TREE:
-        return ids.tolist(), None
-    drafts, parents = torch.stack([ids, proposal.parents.to(ids.device, torch.int64)]).tolist()
-    return drafts, parents
 
 
 def _pad_at(row: Sequence[int], n: int) -> int:

@@ -14,19 +14,31 @@ import attrs
 import torch
 
 from specdec.config import SamplingParams
-from specdec.types import BatchLayout, DraftProposal, ProposalKind, VerifyResult
+from specdec.types import (
+    BatchLayout,
+    DraftProposal,
+    ProposalKind,
+    RequestEnd,
+    VerifyResult,
+    VerifyRows,
+)
 
 if TYPE_CHECKING:
-    from specdec.kv.paged import KVSpec, ModelKV
+    from specdec.kv.paged import KVCacheManager, KVSpec, ModelKV
+    from specdec.request import FinishReason, Request
     from specdec.sampling import SamplingTensors
+    from specdec.scheduler import ScheduledBatch
 
 __all__ = [
     "AttentionBackend",
     "AttentionSpec",
     "CapturesGraphs",
+    "KindRules",
     "Proposer",
     "ProposeContext",
+    "RequestEnd",
     "TargetStep",
+    "TracksRequests",
     "Verifier",
     "Sampler",
     "Scheduler",
@@ -84,7 +96,9 @@ class ProposeContext:
     token has not been run through the target yet, so the verify pass starts at slot
     ``len(token_ids[i]) - 1``. Page capacity for ``num_speculative_tokens`` more slots has been
     reserved by the engine, so proposers never allocate. ``kv`` is the proposer's own KV
-    (``None`` when it declared no ``kv_specs``).
+    (``None`` when it declared no ``kv_specs``). ``prompt_lens[i]`` is how many of
+    ``token_ids[i]`` are sequence ``i``'s prompt (the rest it emitted); empty when whoever built
+    the context did not say (the engine always does).
     """
 
     seq_ids: tuple[int, ...]
@@ -99,6 +113,7 @@ class ProposeContext:
     # CUDA graphs of the proposer's model over ``kv`` (specdec.graphs.PassGraphs), when the
     # generator was built with cuda_graphs=True and the proposer is a draft model.
     graphs: object | None = None
+    prompt_lens: tuple[int, ...] = ()  # per sequence: the prompt's length within token_ids[i]
 
     def sampling_tensors(self, device: torch.device | str | None = None) -> SamplingTensors:
         """``params`` as sampling tensors on ``device`` (default: ``self.device``): the step's
@@ -158,7 +173,12 @@ class Proposer(Protocol):
     Lifecycle per sequence: ``propose`` (decode steps only) -> ``on_target_step`` (after every
     target pass, speculative or not) -> ... -> ``release`` when the sequence ends (finished,
     cancelled, failed or preempted). Proposers keep per-sequence state keyed by sequence id and
-    must roll it back to the target's committed length in ``on_target_step``.
+    must roll it back to the target's committed length in ``on_target_step``. A preempted
+    sequence comes back later under the same id, prefilled again from its first token.
+
+    Optional: :class:`TracksRequests` (``on_request_start`` / ``on_request_end`` with a
+    :class:`~specdec.types.RequestEnd` reason), for proposers that learn across requests or
+    index each prompt (a suffix tree, an online learner); ``release`` is called either way.
 
     Optional: ``attach(target)``; a Generator calls it (before ``kv_specs``) with its target
     model, for proposers that borrow the target's weights (MTP and EAGLE heads). Optional:
@@ -191,6 +211,32 @@ class CapturesGraphs(Protocol):
 
     def graph_model(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
         """(the model whose passes are captured, an LM head replacing its own or ``None``)."""
+        ...
+
+
+@runtime_checkable
+class TracksRequests(Protocol):
+    """A proposer capability: told when each request starts and stops being decoded.
+
+    A request *starts* when the scheduler admits it: its first prefill, and again its re-prefill
+    after a preemption. It *ends* once per start: finished, cancelled, failed, or preempted
+    (:class:`~specdec.types.RequestEnd`). ``on_request_end`` comes before ``release``, so the
+    proposer's per-request state is still there to learn from. A request cancelled before it was
+    ever admitted neither starts nor ends. Proposers without these methods are not called.
+
+    Example:
+        >>> class Counting(TokenListProposer):
+        ...     def on_request_start(self, seq_id, prompt_ids): self.live.add(seq_id)
+        ...     def on_request_end(self, seq_id, reason): self.live.discard(seq_id)
+    """
+
+    def on_request_start(self, seq_id: int, prompt_ids: Sequence[int]) -> None:
+        """``seq_id`` is admitted with prompt ``prompt_ids`` (after a preemption: again; what it
+        emitted before comes in the next ``ProposeContext.token_ids``)."""
+        ...
+
+    def on_request_end(self, seq_id: int, reason: RequestEnd) -> None:
+        """``seq_id`` stopped being decoded for ``reason``."""
         ...
 
 
@@ -237,16 +283,77 @@ class Sampler(Protocol):
 
 
 @runtime_checkable
+class KindRules(Protocol):
+    """What one :class:`~specdec.types.ProposalKind` needs from the engine around the verify
+    pass: the engine looks the rules up by kind (:func:`specdec.verify.kinds.default_kind_rules`)
+    and never asks which kind it holds. Stateless; one instance serves every step.
+    """
+
+    # Whether every sequence's verify rows may be padded to the step's full width, so the pass
+    # is uniform and can replay a captured CUDA graph (a chain's causal rows can; a tree's not).
+    pads_to_width: bool
+
+    def caps(self, caps: Sequence[int], lookahead: int) -> tuple[int, ...]:
+        """Each request's most k, from ``caps`` (the most drafts each can keep)."""
+        ...
+
+    def propose_steps(self, proposal: DraftProposal, lookahead: int) -> int:
+        """How many drafting steps ``proposal`` cost (the policy's cost model)."""
+        ...
+
+    def read_drafts(
+        self, proposal: DraftProposal
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Check the kind's own fields; the drafts and (trees) parents as host lists, read in
+        one device-to-host copy."""
+        ...
+
+    def verify_rows(
+        self,
+        parents: list[list[int]] | None,  # per sequence, host copy of proposal.parents
+        num_draft: Sequence[int],
+        starts: Sequence[int],  # per sequence: slot of its verify row 0
+    ) -> VerifyRows:
+        """Positions, masks and depths of each sequence's verify rows."""
+        ...
+
+    def commit(
+        self,
+        manager: KVCacheManager,
+        layout: BatchLayout,  # the verify pass's rows
+        starts: Sequence[int],
+        paths: Sequence[Sequence[int]],  # per sequence: the kept rows, row 0 first
+        hidden: torch.Tensor | None,  # [num rows, hidden] in layout order
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bring the target's KV in line with the kept paths; the pass's input ids
+        ``[num rows]`` and hidden states with each sequence's kept rows first."""
+        ...
+
+
+@runtime_checkable
 class Scheduler(Protocol):
-    """Owns the request queue and decides which sequences run in each step."""
+    """Owns the request queue and decides which requests run in each step
+    (:class:`specdec.scheduler.BatchScheduler`). The engine calls ``schedule`` and ``finish``;
+    the generator ``add`` and ``find``."""
 
-    def add(self, request: object) -> None: ...
+    def add(self, request: Request) -> None:
+        """Queue ``request`` (it waits until admitted)."""
+        ...
 
-    def schedule(self) -> object: ...
-
-    def abort(self, seq_id: int) -> None: ...
+    def find(self, seq_id: int) -> Request | None:
+        """The waiting or running request with ``seq_id``, or ``None``."""
+        ...
 
     def has_unfinished(self) -> bool: ...
+
+    def schedule(self, lookahead: int) -> ScheduledBatch:
+        """Pick this step's requests and reserve their KV slots, ``lookahead`` drafts each
+        when the step may speculate; preempt the newest when pages run short."""
+        ...
+
+    def finish(self, request: Request, reason: FinishReason | None = None) -> None:
+        """Take ``request`` out of the queue or the batch and free all its pages."""
+        ...
 
 
 @attrs.frozen(eq=False)

@@ -11,6 +11,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.metrics import SpecMetrics
 from specdec.noise import SeededNoise
+from specdec.types import RequestEnd
 
 __all__ = [
     "Request",
@@ -38,6 +39,19 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     CANCELLED = "cancelled"
     ERROR = "error"
+
+    @property
+    def request_end(self) -> RequestEnd:
+        """How a proposer that tracks requests hears of this finish."""
+        return _REQUEST_END[self]
+
+
+_REQUEST_END = {  # a data table: every FinishReason ends a request one way
+    FinishReason.LENGTH: RequestEnd.FINISHED,
+    FinishReason.STOP: RequestEnd.FINISHED,
+    FinishReason.CANCELLED: RequestEnd.CANCELLED,
+    FinishReason.ERROR: RequestEnd.FAILED,
+}
 
 
 @attrs.frozen

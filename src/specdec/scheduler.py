@@ -23,12 +23,17 @@ __all__ = ["ScheduledBatch", "BatchScheduler"]
 
 @attrs.frozen(eq=False)
 class ScheduledBatch:
-    """The requests of one step; ``decode_only`` steps may speculate ``lookahead`` tokens."""
+    """The requests of one step; ``decode_only`` steps may speculate ``lookahead`` tokens.
+
+    ``admitted`` are the requests that joined the batch this step (a first prefill, or a
+    re-prefill after a preemption); ``preempted`` those that left it to wait again.
+    """
 
     requests: tuple[Request, ...]
     decode_only: bool
     lookahead: int
     preempted: tuple[Request, ...] = ()
+    admitted: tuple[Request, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -36,7 +41,10 @@ class ScheduledBatch:
 
 
 class BatchScheduler:
-    """FIFO continuous batching with page-budget admission and newest-first preemption."""
+    """FIFO continuous batching with page-budget admission and newest-first preemption.
+
+    Implements :class:`specdec.interfaces.Scheduler`, the interface the engine steps through.
+    """
 
     def __init__(self, kv: KVCacheManager, *, max_batch_size: int, max_prefill_tokens: int) -> None:
         self.kv = kv
@@ -48,6 +56,7 @@ class BatchScheduler:
         self._arrivals = 0
 
     def add(self, request: Request) -> None:
+        """Queue ``request`` at the back (it waits until admitted)."""
         request.arrival = self._arrivals
         self._arrivals += 1
         self.waiting.append(request)
@@ -90,6 +99,7 @@ class BatchScheduler:
             decode_only=decode_only,
             lookahead=step_lookahead if decode_only else 0,
             preempted=tuple(preempted),
+            admitted=tuple(admitted),
         )
 
     def _admit(self) -> list[Request]:

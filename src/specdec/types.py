@@ -19,6 +19,8 @@ __all__ = [
     "LayoutHost",
     "ProposalKind",
     "DraftProposal",
+    "RequestEnd",
+    "VerifyRows",
     "VerifyResult",
     "ModelOutput",
     "StepOutput",
@@ -100,6 +102,16 @@ class ProposalKind(enum.Enum):
     TREE = "tree"
 
 
+class RequestEnd(enum.Enum):
+    """Why a request stopped being decoded, as a proposer that tracks requests is told
+    (:class:`specdec.interfaces.TracksRequests`). Only ``PREEMPTED`` requests start again."""
+
+    FINISHED = "finished"  # a stop token or string, max_new_tokens or the context limit
+    CANCELLED = "cancelled"
+    FAILED = "failed"  # its own error (non-finite numbers, a failing stop check) or its batch's
+    PREEMPTED = "preempted"  # pages ran short: it waits, and is prefilled again when readmitted
+
+
 @attrs.frozen(eq=False)
 class DraftProposal:
     """What a proposer drafted for each sequence of a decode batch.
@@ -130,6 +142,19 @@ class DraftProposal:
     @property
     def batch_size(self) -> int:
         return int(self.draft_token_ids.shape[0])
+
+
+@attrs.frozen(eq=False)
+class VerifyRows:
+    """How a proposal's drafts sit in the target's verify pass, per sequence (host lists).
+
+    A chain's rows are causal at consecutive positions (``positions`` and ``tree_masks`` are
+    ``None``); a tree's rows sit at ``start + depth`` and see their ancestors only.
+    """
+
+    positions: list[list[int]] | None  # per sequence: [num_draft + 1] RoPE positions, or None
+    tree_masks: list[torch.Tensor] | None  # per sequence: [num_draft + 1, num_draft + 1] bool
+    depths: list[int]  # per sequence: its deepest draft (a chain's: its length)
 
 
 @attrs.frozen(eq=False)

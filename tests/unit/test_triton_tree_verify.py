@@ -308,7 +308,7 @@ def test_device_path_draws_stream_seeds_from_each_rows_generator():
     """Streamed sequences use one seed per sequence drawn from their own generator: the
     verifier's result equals rejection_paths given the seeds a clone of it draws."""
     from specdec.verify import TreeVerifier
-    from specdec.verify.device import stream_seeds
+    from specdec.verify.kernel_choice import stream_seeds
 
     logits, proposal, params, _ = _mixed_batch("tree", 3)
     batch = len(params)
@@ -331,7 +331,8 @@ def test_device_path_draws_stream_seeds_from_each_rows_generator():
 
 
 def test_kernel_choice_is_checked(monkeypatch):
-    from specdec.verify import ChainVerifier, TreeVerifier, device
+    from specdec.verify import ChainVerifier, TreeVerifier
+    from specdec.verify import kernel_choice as device
 
     with pytest.raises(ValueError, match="kernels must be one of"):
         TreeVerifier(kernels="cuda")

@@ -113,12 +113,7 @@ class PagePool:
             src: ``[n]`` int64 flat slot ids to read.
             dst: ``[n]`` int64 flat slot ids to write.
         """
-        self._check_index("src", src)
-        self._check_index("dst", dst)
-        if src.shape != dst.shape:
-            raise ValueError(
-                f"src and dst must have the same shape, got {src.shape} and {dst.shape}"
-            )
+        _check_index_pair(src, dst)
         move = _triton_kv_move() if self.device.type == "cuda" else None
         if move is not None:
             move(self._slots, src, dst)  # one gather + one scatter launch
@@ -133,19 +128,20 @@ class PagePool:
             src: ``[n]`` int64 page ids to read.
             dst: ``[n]`` int64 distinct page ids to write.
         """
-        self._check_index("src", src)
-        self._check_index("dst", dst)
-        if src.shape != dst.shape:
-            raise ValueError(
-                f"src and dst must have the same shape, got {src.shape} and {dst.shape}"
-            )
+        _check_index_pair(src, dst)
         pages = self.cache.index_select(2, src)  # [L, 2, n, page_size, Hkv, D], a copy
         self.cache.index_copy_(2, dst, pages)
 
-    @staticmethod
-    def _check_index(name: str, index: torch.Tensor) -> None:
+
+
+def _check_index_pair(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``src`` and ``dst`` must be 1-D int64 index tensors of one shape (checked on the host:
+    shapes and dtypes only, no device sync)."""
+    for name, index in (("src", src), ("dst", dst)):
         if not isinstance(index, torch.Tensor) or index.dtype != torch.int64 or index.dim() != 1:
             raise TypeError(f"{name} must be a 1-D int64 tensor")
+    if src.shape != dst.shape:
+        raise ValueError(f"src and dst must have the same shape, got {src.shape} and {dst.shape}")
 
 
 def _triton_kv_move():
@@ -595,22 +591,8 @@ class ModelKV:
         """Layer ``i``'s ``(k_pages, v_pages)``, each ``[num_pages, page_size, Hkv, D]``."""
         return self.pool.layer(i)
 
-    def layout(
-        self,
-        seq_ids: Sequence[int],
-        new_token_ids: Sequence[Sequence[int]],
-        start_slots: Sequence[int],
-        *,
-        positions: Sequence[Sequence[int] | None] | None = None,
-        tree_masks: Sequence[torch.Tensor | None] | None = None,
-        device: torch.device | str | None = None,
-    ) -> BatchLayout:
-        """:meth:`KVCacheManager.build_layout`, on the pool's device unless told otherwise."""
-        return self.manager.build_layout(
-            seq_ids,
-            new_token_ids,
-            start_slots,
-            positions=positions,
-            tree_masks=tree_masks,
-            device=self.pool.device if device is None else device,
-        )
+    def layout(self, *args, device: torch.device | str | None = None, **kwargs) -> BatchLayout:
+        """:meth:`KVCacheManager.build_layout` (the same arguments), on the pool's device unless
+        ``device`` says otherwise."""
+        device = self.pool.device if device is None else device
+        return self.manager.build_layout(*args, device=device, **kwargs)

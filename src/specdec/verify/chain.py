@@ -36,14 +36,8 @@ from specdec.sampling import (
     processed_probs,
 )
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, VerifyResult
-from specdec.verify.device import (
-    KernelChoice,
-    check_kernel_choice,
-    seeded_keys,
-    stream_seeds,
-    tree_kernels,
-    use_triton,
-)
+from specdec.verify.base import RuleVerifier
+from specdec.verify.kernel_choice import seeded_keys, stream_seeds, tree_kernels, use_triton
 
 __all__ = [
     "ChainVerifier",
@@ -146,13 +140,9 @@ def greedy_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafts while they equal the target's argmax; no randomness.
 
-    Args:
-        target_logits: ``[batch, width + 1, vocab]`` float, row ``j`` after draft ``j - 1``.
-        draft_token_ids: ``[batch, width]`` int64, ``PAD_TOKEN_ID`` past each sequence's drafts.
-        num_draft_tokens: ``[batch]`` drafts per sequence, each in ``0 .. width``.
-
-    Returns:
-        ``num_accepted`` and ``emitted`` as for :func:`match_verify`.
+    ``target_logits`` is ``[batch, width + 1, vocab]`` float, row ``j`` after draft ``j - 1``;
+    the drafts, their counts and the result are as for :func:`match_verify`, which this is
+    with the target's argmax as its token.
 
     Example:
         >>> logits = torch.full((1, 3, 4), -100.0); logits[0, [0, 1, 2], [2, 3, 1]] = 100.0
@@ -328,7 +318,7 @@ def _row_index(rows: list[int], batch: int, device: torch.device) -> slice | tor
     return torch.tensor(rows, dtype=torch.int64, device=device)  # [len(rows)]
 
 
-class ChainVerifier:
+class ChainVerifier(RuleVerifier):
     """The default :class:`~specdec.interfaces.Verifier` for chain proposals.
 
     Greedy sequences (temperature 0) are verified by token identity (:func:`greedy_verify`),
@@ -338,44 +328,23 @@ class ChainVerifier:
     token; other sampled sequences through :func:`rejection_verify`, the rule that accepts
     the most drafts. All kinds may share one batch.
 
-    ``kernels`` chooses the implementation (:mod:`specdec.verify.device`): ``"auto"`` runs
-    the Triton kernels on CUDA when Triton is installed, the torch functions above otherwise.
+    ``kernels`` chooses the implementation (:mod:`specdec.verify.kernel_choice`): ``"auto"``
+    runs the Triton kernels on CUDA when Triton is installed, the torch functions above
+    otherwise.
 
     Example:
         >>> result = ChainVerifier().verify(target_logits, proposal, params, generators)
         >>> result.num_accepted, result.emitted_token_ids
     """
 
-    kernels: KernelChoice = "auto"  # a class default: subclasses need not call __init__
+    kind = ProposalKind.CHAIN
 
-    def __init__(self, kernels: KernelChoice = "auto"):
-        self.kernels = check_kernel_choice(kernels)
-
-    def verify(
-        self,
-        target_logits: torch.Tensor,  # [batch, width + 1, vocab] float
-        proposal: DraftProposal,
-        params: Sequence[SamplingParams],
-        generators: Sequence[RowRandom],
-        *,
-        sampling: SamplingTensors | None = None,  # params as tensors, one row per sequence
-    ) -> VerifyResult:
-        if proposal.kind is not ProposalKind.CHAIN:
-            raise ValueError(f"ChainVerifier verifies CHAIN proposals, got {proposal.kind}")
-        batch, width = proposal.batch_size, proposal.width
+    def _counts(self, target_logits: torch.Tensor, proposal: DraftProposal) -> tuple[int, ...]:
         _check_chain_shapes(target_logits, proposal.draft_token_ids)
-        if len(params) != batch or len(generators) != batch:
-            raise ValueError(
-                f"need one SamplingParams and one generator per sequence ({batch}), "
-                f"got {len(params)} and {len(generators)}"
-            )
-        counts = _draft_counts(proposal.num_draft_tokens, batch, width)
-        expected = (batch, width, target_logits.shape[2])
-        if proposal.draft_probs is not None and proposal.draft_probs.shape != expected:
-            raise ValueError(
-                f"draft_probs must be [batch, width, vocab] = {expected}, "
-                f"got {tuple(proposal.draft_probs.shape)}"
-            )
+        return _draft_counts(proposal.num_draft_tokens, proposal.batch_size, proposal.width)
+
+    def _verify(self, target_logits, proposal, params, generators, sampling, counts) -> VerifyResult:
+        batch, width = proposal.batch_size, proposal.width
         device = target_logits.device
         num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]
         emitted = torch.full((batch, width + 1), PAD_TOKEN_ID, dtype=torch.int64, device=device)
@@ -422,7 +391,7 @@ class ChainVerifier:
         )
 
 
-# --- the device path (Triton kernels; see specdec.verify.device) ------------------------------
+# --- the device path (Triton kernels; see specdec.verify.kernel_choice) --------------------
 
 
 def _chain_args(drafts: torch.Tensor, counts: Sequence[int]):

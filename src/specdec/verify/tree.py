@@ -39,10 +39,10 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec.config import SamplingParams
 from specdec.noise import SeededNoise, race_sample
-from specdec.sampling import RowRandom, SamplingTensors, draw_uniforms, inverse_cdf
+from specdec.sampling import SamplingTensors, draw_uniforms, inverse_cdf
 from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind, VerifyResult
+from specdec.verify.base import RuleVerifier
 from specdec.verify.chain import (
     _draft_counts,
     _row_index,
@@ -51,14 +51,7 @@ from specdec.verify.chain import (
     residual_distribution,
     split_by_rule,
 )
-from specdec.verify.device import (
-    KernelChoice,
-    check_kernel_choice,
-    seeded_keys,
-    stream_seeds,
-    tree_kernels,
-    use_triton,
-)
+from specdec.verify.kernel_choice import seeded_keys, stream_seeds, tree_kernels, use_triton
 from specdec.verify.tree_layout import check_parents, tree_depths
 
 __all__ = [
@@ -503,7 +496,7 @@ def tree_rejection_verify(
     return _pack(paths, tokens, width, target_probs.device)
 
 
-# --- the device path (Triton kernels; see specdec.verify.device) ------------------------------
+# --- the device path (Triton kernels; see specdec.verify.kernel_choice) --------------------
 
 
 def _counts_on(device: torch.device, counts: Sequence[int]) -> torch.Tensor:
@@ -541,43 +534,7 @@ def _triton_rejection(
 # --- the verifier ----------------------------------------------------------------------------
 
 
-def _check_proposal(
-    target_logits: torch.Tensor,  # [batch, width + 1, vocab]
-    proposal: DraftProposal,
-    params: Sequence[SamplingParams],
-    generators: Sequence[RowRandom],
-    sampling: SamplingTensors | None,
-) -> tuple[int, ...]:
-    """Everything :meth:`TreeVerifier.verify` takes, checked before any work; the counts."""
-    if proposal.kind is not ProposalKind.TREE:
-        raise ValueError(f"TreeVerifier verifies TREE proposals, got {proposal.kind}")
-    if target_logits.dim() != 3:
-        raise ValueError(
-            f"target_logits must be [batch, width + 1, vocab], got {tuple(target_logits.shape)}"
-        )
-    batch, width = proposal.batch_size, proposal.width
-    counts, _, _ = _check_tree(
-        target_logits, proposal.draft_token_ids, proposal.parents, proposal.num_draft_tokens
-    )
-    if len(params) != batch or len(generators) != batch:
-        raise ValueError(
-            f"need one SamplingParams and one generator per sequence ({batch}), "
-            f"got {len(params)} and {len(generators)}"
-        )
-    expected = (batch, width, target_logits.shape[2])
-    if proposal.draft_probs is not None and proposal.draft_probs.shape != expected:
-        raise ValueError(
-            f"draft_probs must be [batch, width, vocab] = {expected}, "
-            f"got {tuple(proposal.draft_probs.shape)}"
-        )
-    if sampling is not None and sampling.num_rows != batch:
-        raise ValueError(
-            f"sampling must have one row per sequence ({batch}), got {sampling.num_rows}"
-        )
-    return counts
-
-
-class TreeVerifier:
+class TreeVerifier(RuleVerifier):
     """The :class:`~specdec.interfaces.Verifier` for tree proposals.
 
     Greedy sequences keep the longest argmax path (:func:`tree_greedy_verify`) and consume no
@@ -586,29 +543,28 @@ class TreeVerifier:
     through :func:`tree_rejection_verify`. All kinds may share one batch, and each gives the
     same output as a chain-shaped tree through :class:`~specdec.verify.chain.ChainVerifier`.
 
-    ``kernels`` chooses the implementation (:mod:`specdec.verify.device`): ``"auto"`` runs
-    the Triton kernels on CUDA when Triton is installed, the torch functions above otherwise.
+    ``kernels`` chooses the implementation (:mod:`specdec.verify.kernel_choice`): ``"auto"``
+    runs the Triton kernels on CUDA when Triton is installed, the torch functions above
+    otherwise.
 
     Example:
         >>> result = TreeVerifier().verify(target_logits, proposal, params, generators)
         >>> result.num_accepted, result.emitted_token_ids, result.accepted_rows
     """
 
-    kernels: KernelChoice = "auto"  # a class default: subclasses need not call __init__
+    kind = ProposalKind.TREE
 
-    def __init__(self, kernels: KernelChoice = "auto"):
-        self.kernels = check_kernel_choice(kernels)
+    def _counts(self, target_logits: torch.Tensor, proposal: DraftProposal) -> tuple[int, ...]:
+        if target_logits.dim() != 3:
+            raise ValueError(
+                f"target_logits must be [batch, width + 1, vocab], got {tuple(target_logits.shape)}"
+            )
+        counts, _, _ = _check_tree(
+            target_logits, proposal.draft_token_ids, proposal.parents, proposal.num_draft_tokens
+        )
+        return counts
 
-    def verify(
-        self,
-        target_logits: torch.Tensor,  # [batch, width + 1, vocab] float
-        proposal: DraftProposal,
-        params: Sequence[SamplingParams],
-        generators: Sequence[RowRandom],
-        *,
-        sampling: SamplingTensors | None = None,  # params as tensors, one row per sequence
-    ) -> VerifyResult:
-        counts = _check_proposal(target_logits, proposal, params, generators, sampling)
+    def _verify(self, target_logits, proposal, params, generators, sampling, counts) -> VerifyResult:
         batch, width = proposal.batch_size, proposal.width
         device = target_logits.device
         num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)  # [batch]

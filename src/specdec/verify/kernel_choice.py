@@ -1,4 +1,4 @@
-"""The verifiers' device path: every rule through the Triton kernels, no host sync inside.
+"""Which kernels the verifiers run: the Triton device path or the torch references.
 
 :class:`~specdec.verify.chain.ChainVerifier` and :class:`~specdec.verify.tree.TreeVerifier`
 take ``kernels="auto" | "torch" | "triton"``. ``"auto"`` uses the kernels of
