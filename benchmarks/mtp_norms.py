@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from specdec.cli import bundled_model_path
-    from specdec.generator import load_tokenizer
+    from specdec.codec import load_tokenizer
     from specdec.models.loading import load_model
     from specdec.training.data import TrainData, build_chunks
     from specdec.training.features import compute_features

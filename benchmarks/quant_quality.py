@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     parser.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from specdec.generator import load_tokenizer
+    from specdec.codec import load_tokenizer
     from specdec.hub import resolve_model
     from specdec.models.loading import load_model
 

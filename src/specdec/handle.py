@@ -1,24 +1,24 @@
 """A submitted request as the embedding application sees it: follow, stream, await, cancel.
 
 Handles never own a stepping loop of their own: every way of waiting (``result()``,
-``tokens()``, iteration, the async forms) advances the one shared engine through the
-generator, one step at a time, which moves *every* submitted request forward. A consumer steps
-only when no one has stepped since it last looked, so N consumers on N threads (or asyncio
-tasks) share one step per round instead of multiplying them; a consumer that finds another
-thread stepping waits on the generator's lock, not in a polling loop. The async forms run that
-wait on a worker thread (``asyncio.to_thread``), so the event loop never blocks on a step.
+``tokens()``, iteration, the async forms) advances the generator's one shared
+:class:`~specdec.stepping.StepLoop`, one step at a time, which moves *every* submitted request
+forward. A consumer steps only when no one has stepped since it last looked, so N consumers on
+N threads (or asyncio tasks) share one step per round instead of multiplying them; a consumer
+that finds another thread stepping waits on the loop's lock, not in a polling loop. The async
+forms run that wait on a worker thread (``asyncio.to_thread``), so the event loop never blocks
+on a step.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
 
+from specdec.codec import TextCodec
+from specdec.output import GenerationOutput, output_of
 from specdec.request import FinishReason, Request, RequestView
-
-if TYPE_CHECKING:
-    from specdec.generator import GenerationOutput, Generator
+from specdec.stepping import StepLoop, raise_if_failed
 
 __all__ = ["RequestHandle"]
 
@@ -41,8 +41,9 @@ class RequestHandle:
         >>> h.result().token_ids
     """
 
-    def __init__(self, generator: Generator, request: Request) -> None:
-        self._gen = generator
+    def __init__(self, loop: StepLoop, codec: TextCodec, request: Request) -> None:
+        self._loop = loop
+        self._codec = codec
         self._req = request
 
     def __repr__(self) -> str:
@@ -79,35 +80,35 @@ class RequestHandle:
         Returns ``True`` if it was cancelled now, ``False`` if it had already ended
         (finished, failed or cancelled before): a no-op.
         """
-        return self._gen._cancel_request(self._req)
+        return self._loop.cancel(self._req)
 
     def result(self) -> GenerationOutput:
         """Step the engine until this request is done; its output, or its error raised."""
         for _ in self._views():
             pass
-        return self._gen._finished_output(self._req)
+        return output_of(self._req, self._codec)
 
     # ---------------------------------------------------------------- streaming
     def _views(self) -> Iterator[RequestView]:
         """The request's progress after each step that moved it (first: as it is now); raises
         its error once it has ended, if it failed."""
-        view = self._gen._progress(self._req, None)
+        view = self._loop.progress(self._req, None)
         while True:
             yield view
             if view.finished:
                 break
-            view = self._gen._progress(self._req, view.steps)
-        self._gen._raise_if_failed([self._req])
+            view = self._loop.progress(self._req, view.steps)
+        raise_if_failed([self._req])
 
     async def _views_async(self) -> AsyncIterator[RequestView]:
         """:meth:`_views` for asyncio: each wait for a step runs on a worker thread."""
-        view = await asyncio.to_thread(self._gen._progress, self._req, None)
+        view = await asyncio.to_thread(self._loop.progress, self._req, None)
         while True:
             yield view
             if view.finished:
                 break
-            view = await asyncio.to_thread(self._gen._progress, self._req, view.steps)
-        self._gen._raise_if_failed([self._req])
+            view = await asyncio.to_thread(self._loop.progress, self._req, view.steps)
+        raise_if_failed([self._req])
 
     def tokens(self) -> Iterator[list[int]]:
         """Yield each step's newly emitted token ids (``[int]``, non-empty) until done."""
@@ -119,7 +120,7 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[str]:
         """Yield text deltas (needs a tokenizer; a delta never ends inside a character)."""
-        deltas = _TextDeltas(self._gen, self._req)
+        deltas = _TextDeltas(self._codec, self._req)
         for view in self._views():
             if delta := deltas.pull(view):
                 yield delta
@@ -139,7 +140,7 @@ class RequestHandle:
 
     async def stream_async(self) -> AsyncIterator[str]:
         """The asyncio form of iterating the handle: text deltas."""
-        deltas = _TextDeltas(self._gen, self._req)
+        deltas = _TextDeltas(self._codec, self._req)
         async for view in self._views_async():
             if delta := deltas.pull(view):
                 yield delta
@@ -148,13 +149,13 @@ class RequestHandle:
 class _TextDeltas:
     """Turns a request's growing output into text deltas, holding back a partial character."""
 
-    def __init__(self, generator: Generator, request: Request) -> None:
-        self._gen = generator
+    def __init__(self, codec: TextCodec, request: Request) -> None:
+        self._codec = codec
         self._req = request
         self._sent = ""
 
     def pull(self, view: RequestView) -> str:
-        text = self._gen._text_of(self._req.prompt_ids, view.output_ids, view.stop_text_len)
+        text = self._codec.text_of(self._req.prompt_ids, view.output_ids, view.stop_text_len)
         # "\ufffd" at the end is a multi-byte character cut between tokens: wait for the rest.
         if (not view.finished and text.endswith("\ufffd")) or len(text) <= len(self._sent):
             return ""

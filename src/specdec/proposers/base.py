@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec.config import MAX_SPECULATIVE_TOKENS
+from specdec.config import MAX_SPECULATIVE_TOKENS, check_arg, speculative_tokens
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.types import DraftProposal, ProposalKind, pad_rows
@@ -31,15 +31,14 @@ class TokenListProposer:
     needs_target_hidden = False
 
     def __init__(self, num_speculative_tokens: int = 4) -> None:
-        if (
-            not isinstance(num_speculative_tokens, int)
-            or isinstance(num_speculative_tokens, bool)
-            or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
-        ):
+        try:
+            check_arg(speculative_tokens, "num_speculative_tokens", num_speculative_tokens)
+        except TypeError:
+            # A width that is no int is out of the range too: one ValueError, showing the value.
             raise ValueError(
                 f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
                 f"got {num_speculative_tokens!r}"
-            )
+            ) from None
         self.num_speculative_tokens = num_speculative_tokens
 
     def draft(self, token_ids: Sequence[int], k: int) -> list[int]:

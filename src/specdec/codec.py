@@ -1,0 +1,90 @@
+"""Text in and out of a generator: its tokenizer, behind one lock, and the loading of one.
+
+Tokenizers are not thread-safe, so every encode and decode of a generator goes through its
+:class:`TextCodec`'s lock; generators made by ``Generator.with_proposer`` share the codec,
+hence the lock, with the generator they came from.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from specdec.models.llama import LlamaModel
+
+__all__ = ["TextCodec", "eos_ids", "load_tokenizer"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+class TextCodec:
+    """A tokenizer (or ``None``: token ids only) with the lock that serialises its calls.
+
+    Example:
+        >>> codec = TextCodec(tokenizer)
+        >>> codec.text_of(prompt_ids, output_ids, stop_text_len=None)
+    """
+
+    def __init__(self, tokenizer: object | None) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of ``text``; ValueError without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("this generator has no tokenizer: pass token ids instead of text")
+        with self._lock:
+            return list(self.tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` without special tokens; ``""`` without a tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        with self._lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def decode_output(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> str:
+        """Decode output tokens in the context of the prompt's last tokens.
+
+        SentencePiece-style tokenizers drop a word's leading space when it starts the decoded
+        text; decoding a few prompt tokens along and cutting their text off keeps it.
+        """
+        context = list(prompt_ids[-4:])
+        prefix = self.decode(context)
+        full = self.decode(context + list(output_ids))
+        return full[len(prefix) :] if full.startswith(prefix) else self.decode(output_ids)
+
+    def text_of(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], stop_text_len: int | None
+    ) -> str:
+        """The output's text, cut before a matched stop string."""
+        text = self.decode_output(prompt_ids, output_ids)
+        return text if stop_text_len is None else text[:stop_text_len]
+
+
+def load_tokenizer(path: Path) -> object | None:
+    """The transformers tokenizer of a model directory or ``.gguf`` file.
+
+    ``None`` for a directory without tokenizer files: such a generator takes token ids only.
+    """
+    from transformers import AutoTokenizer
+
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_ids(path: Path, model: LlamaModel, tokenizer: object) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, united."""
+    ids = set(model.config.eos_token_ids)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
