@@ -1,7 +1,12 @@
 """Command line: ``specdec generate | fetch | demo | train-mtp | train-eagle``.
 
-Errors print one line (``specdec: error: ...``) and exit with status 2; ``--debug`` shows the
-traceback instead.
+``specdec generate --proposer NAME`` speculates with an entry of the proposer registry
+(:mod:`specdec.proposers.registry`: the built-ins and installed plug-ins), its options
+generated from the entry; ``--draft PATH``, ``--mtp-head DIR``, ``--eagle-head DIR`` and
+``--prompt-lookup`` select their entries alone. Errors print one line (``specdec: error: ...``)
+and exit with status 2; ``--debug`` shows the traceback instead. An option that does nothing
+where it is given (``--tree-top-k`` without the EAGLE proposer, ``-k`` without any) is such an
+error too.
 """
 
 from __future__ import annotations
@@ -12,33 +17,36 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.proposers.registry import (
+    BuildContext,
+    ProposerEntry,
+    ProposerOption,
+    ProposerRegistry,
+    load_registry,
+)
+from specdec.proposers.registry import positive_int_arg as _positive_int
+
 __all__ = ["main"]
 
 BUNDLED_MODEL = "stories260K"
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (``--threads 0`` is refused, not taken as 'all')."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
 
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (>= 1)")
 
 
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the weights (default bfloat16)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt, at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this much probability (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest one's probability")
+    p.add_argument("--seed", type=int, default=None, help="seed of sampled requests: the same output every run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -74,27 +82,26 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distill-prompts", default=None, metavar="FILE",
                    help="JSON-lines file of self-distillation prompts (strings, token-id lists or {\"prompt\": ...})")
     p.add_argument("--distill-tokens", type=int, default=256, help="new tokens per generation (at most, with --distill-stop-at-eos)")
-    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--distill-temperature", type=float, default=1.0, help="sampling temperature of self-distillation")
     p.add_argument("--distill-batch-size", type=int, default=None, help="generations run at once (default 64; 16 for a CPU model of 100M parameters or more)")
     p.add_argument("--distill-stop-at-eos", action="store_true",
                    help="end a generation at end-of-sequence and join them before cutting chunks")
-    p.add_argument("--chunk-len", type=int, default=256)
-    p.add_argument("--max-chunks", type=int, default=None)
-    p.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--chunk-len", type=int, default=256, help="tokens per training chunk")
+    p.add_argument("--max-chunks", type=int, default=None, help="use at most this many chunks of the text files")
+    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many bytes of text files")
     p.add_argument("--val-prompt", action="append", default=[], help="held-out prompt (default: beginnings of held-out chunks)")
-    p.add_argument("--val-tokens", type=int, default=64)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--hidden-loss-weight", type=float, default=1.0)
-    p.add_argument("--val-every", type=int, default=200)
+    p.add_argument("--val-tokens", type=int, default=64, help="tokens generated per held-out prompt when measuring acceptance")
+    p.add_argument("--steps", type=int, default=1000, help="optimiser steps")
+    p.add_argument("--batch-size", type=int, default=8, help="chunks per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=50, help="steps of linear learning-rate warm-up")
+    p.add_argument("--hidden-loss-weight", type=float, default=1.0, help="weight of the loss on predicted hidden states")
+    p.add_argument("--val-every", type=int, default=200, help="validate every this many steps")
     p.add_argument("--max-minutes", type=float, default=None, help="stop training after this long (saves the head)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and the held-out split")
     p.add_argument("--features", default=None, help="feature cache directory (default OUT/features)")
     p.add_argument("--eval-only", action="store_true", help="measure the head in OUT on the held-out prompts")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="cpu")
+    _add_device_args(p)
     _add_threads_arg(p)
 
 
@@ -137,45 +144,34 @@ def _training_args(args: argparse.Namespace) -> tuple[dict, dict]:
     return config, pipeline
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser(registry: ProposerRegistry) -> argparse.ArgumentParser:
+    """The ``specdec`` parser; ``generate`` takes the options of ``registry``'s entries."""
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do")
+    _add_generate(sub.add_parser("generate", help="generate text for a prompt"), registry)
+    fetch = sub.add_parser("fetch", help="download and convert a known model into the cache")
+    fetch.add_argument("model", help="known model name")
+    _add_demo(sub.add_parser("demo", help="run the demo on the default model pair"))
+    mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
+    _add_training_args(mtp)
+    _add_train_mtp(mtp)
+    eagle = sub.add_parser("train-eagle", help="train an EAGLE-1/2 or EAGLE-3 head for a target (see docs/eagle.md)")
+    _add_training_args(eagle)
+    _add_train_eagle(eagle)
+    return parser
 
-    gen = sub.add_parser("generate", help="generate text for a prompt")
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The command parsers by name (argparse keeps them on its private subparsers action)."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _add_generate(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> None:
     gen.add_argument("--target", required=True, help="HF directory, .gguf file or model name")
-    proposer = gen.add_mutually_exclusive_group()
-    proposer.add_argument("--draft", default=None, help="speculate with this draft model")
-    proposer.add_argument("--mtp-head", default=None, help="speculate with this MTP head directory")
-    proposer.add_argument(
-        "--prompt-lookup", action="store_true", help="speculate by prompt lookup (n-grams)"
-    )
-    proposer.add_argument(
-        "--eagle-head", default=None, help="speculate with a tree drafted by this EAGLE head directory"
-    )
-    gen.add_argument(
-        "--num-speculative-tokens",
-        "-k",
-        type=_positive_int,
-        default=None,
-        help="drafts per step (default 4); with --eagle-head: tree nodes verified (default 16)",
-    )
-    gen.add_argument("--tree-top-k", type=_positive_int, default=4, help="--eagle-head: children per expanded node")
-    gen.add_argument("--tree-depth", type=_positive_int, default=5, help="--eagle-head: tree depth")
-    gen.add_argument(
-        "--draft-quantization",
-        choices=("int8", "q4"),
-        default=None,
-        help="store the draft model's linear layers as int8 or 4-bit (CPU; faster drafting, "
-        "same output)",
-    )
-    gen.add_argument(
-        "--draft-confidence",
-        type=float,
-        default=0.0,
-        help="--draft: end a chain after a draft token the draft gives less than this "
-        "probability (0 <= c < 1; -k is then a ceiling; 0, the default, always drafts -k)",
-    )
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
+    _add_device_args(gen)
     gen.add_argument(
         "--quantization",
         choices=("int8", "q4"),
@@ -183,29 +179,59 @@ def _parser() -> argparse.ArgumentParser:
         help="store the target's linear layers as int8 or 4-bit (CPU; a smaller, faster model "
         "with its own output, which speculation reproduces exactly)",
     )
-    gen.add_argument(
-        "--policy",
-        choices=("adaptive", "fixed"),
-        default="adaptive",
-        help="adaptive: k per request and step, at most -k (default); fixed: always -k",
-    )
-    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
-    gen.add_argument("--dtype", default="bfloat16")
-    gen.add_argument("--device", default="cpu")
     _add_threads_arg(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_sampling_args(gen)
+    _add_proposer_args(gen, registry)
 
-    fetch = sub.add_parser("fetch", help="download and convert a known model into the cache")
-    fetch.add_argument("model", help="known model name")
 
-    demo = sub.add_parser("demo", help="run the demo on the default model pair")
-    demo.add_argument("--target", default=None)
-    demo.add_argument("--draft", default=None)
-    demo.add_argument("--prompt", action="append", default=None)
-    demo.add_argument("--max-new-tokens", type=int, default=96)
-    demo.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
-    demo.add_argument("--dtype", default="bfloat16")
+def _add_proposer_args(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> None:
+    """``--proposer``, ``-k``, ``--policy`` and, per registry entry, a group of its options."""
+    group = gen.add_argument_group("speculation", "without a proposer, generate decodes plainly")
+    group.add_argument("--proposer", choices=registry.names(), default=None,
+                       help="speculate with this proposer of the registry (its options below)")
+    widths = ", ".join(f"{e.name} {e.num_speculative_tokens}" for e in registry.entries)
+    group.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=None, metavar="K",
+                       help=f"the proposer's width: drafts per step, or a tree's nodes verified "
+                       f"(default: {widths})")
+    group.add_argument("--policy", choices=("adaptive", "fixed"), default=None,
+                       help="adaptive: k per request and step, at most -k (default); fixed: always -k")
+    for entry in registry.entries:
+        options = gen.add_argument_group(f"--proposer {entry.name}", _escape(entry.help))
+        for option in entry.options:
+            _add_option(options, entry, option)
+
+
+def _add_option(group, entry: ProposerEntry, option: ProposerOption) -> None:
+    """One entry option as a flag. Its default is applied when the proposer is built, so the
+    flag's own default (None) tells whether it was given."""
+    help = f"{option.help} (--proposer {entry.name}"
+    if option.selects:
+        help += "; alone selects it"
+    if option.default is not None and option.type is not bool:
+        help += f"; default {option.default}"
+    kwargs = {"action": "store_true"} if option.type is bool else {
+        "type": option.type, "choices": option.choices, "metavar": option.metavar}
+    try:
+        group.add_argument(option.flag, dest=option.name, default=None, help=_escape(help + ")"), **kwargs)
+    except argparse.ArgumentError:
+        raise ValueError(f"option {option.flag} of proposer {entry.name!r} ({entry.origin}) "
+                         "clashes with a flag of specdec generate") from None
+
+
+def _escape(help: str) -> str:
+    return help.replace("%", "%%")  # argparse formats help with %-style placeholders
+
+
+def _add_demo(demo: argparse.ArgumentParser) -> None:
+    demo.add_argument("--target", default=None, help="target model (default: the demo pair's)")
+    demo.add_argument("--draft", default=None, help="draft model (default: the demo pair's)")
+    demo.add_argument("--prompt", action="append", default=None,
+                      help="prompt (repeatable; default: three code prompts)")
+    demo.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default 96)")
+    demo.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=None,
+                      help="drafts per step (default: 6 adaptive, 4 fixed)")
+    demo.add_argument("--dtype", default="bfloat16", help="dtype of the weights (default bfloat16)")
     demo.add_argument(
         "--quantization",
         choices=("int8", "q4", "none"),
@@ -229,16 +255,20 @@ def _parser() -> argparse.ArgumentParser:
         "(default 4)",
     )
 
-    mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
-    _add_training_args(mtp)
-    mtp.add_argument("--val-k", type=int, default=1)
-    mtp.add_argument("--no-input-norms", action="store_true", help="drop the head's enorm/hnorm")
-    mtp.add_argument("--no-init-from-last-layer", action="store_true")
-    mtp.add_argument("--vocab", choices=("data", "full"), default="data")
 
-    eagle = sub.add_parser("train-eagle", help="train an EAGLE-1/2 or EAGLE-3 head for a target (see docs/eagle.md)")
-    _add_training_args(eagle)
-    eagle.add_argument("--kind", choices=("eagle1", "eagle3"), default="eagle1")
+def _add_train_mtp(mtp: argparse.ArgumentParser) -> None:
+    mtp.add_argument("--val-k", type=int, default=1, help="drafts per step when measuring acceptance")
+    mtp.add_argument("--no-input-norms", action="store_true", help="drop the head's enorm/hnorm")
+    mtp.add_argument("--no-init-from-last-layer", action="store_true",
+                     help="start the head's layer fresh, not from the target's last layer")
+    mtp.add_argument("--vocab", choices=("data", "full"), default="data",
+                     help="the LM-head rows trained against: the tokens in the data (default) or all")
+
+
+def _add_train_eagle(eagle: argparse.ArgumentParser) -> None:
+    eagle.add_argument("--kind", choices=("eagle1", "eagle3"), default="eagle1",
+                       help="eagle1: an EAGLE-1/2 head on the last hidden state (default); eagle3: "
+                       "on three target layers")
     eagle.add_argument("--target-layers", type=_int_list, default=None, metavar="I,J,K",
                        help="target layers the head feeds on (EAGLE-3; default 2,N//2,N-3)")
     eagle.add_argument("--draft-vocab-size", type=_positive_int, default=None,
@@ -253,29 +283,79 @@ def _parser() -> argparse.ArgumentParser:
     eagle.add_argument("--top-k", type=_positive_int, default=4, help="validation tree: children per node")
     eagle.add_argument("--depth", type=_positive_int, default=5, help="validation tree: depth")
     eagle.add_argument("--num-verify-tokens", type=_positive_int, default=16, help="validation tree: nodes verified")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit status (2 for any error, after a one-line message)."""
-    args = _parser().parse_args(argv)  # usage errors: argparse prints them and exits 2
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        return _run(args)
+        registry = load_registry()  # a broken or clashing plug-in: one line naming it
+        parser = build_parser(registry)
+    except Exception as exc:  # noqa: BLE001 - a plug-in's failure, reported like any other
+        return _report(exc, debug="--debug" in argv)  # not parsed yet: the parser needs the registry
+    args = parser.parse_args(argv)  # usage errors: argparse prints them and exits 2
+    selection = None
+    if args.command == "generate":
+        try:
+            selection = _select_proposer(args, registry)
+        except _ContextError as exc:  # a usage error too: usage, one line, exit 2
+            _subparsers(parser)["generate"].error(str(exc))
+    try:
+        return _run(args, registry, selection)
     except Exception as exc:  # noqa: BLE001 - the command line reports every failure alike
-        if args.debug:
-            raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"specdec: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return 2
+        return _report(exc, debug=args.debug)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _report(exc: Exception, *, debug: bool) -> int:
+    if debug:
+        raise exc
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"specdec: error: {message} (--debug shows the traceback)", file=sys.stderr)
+    return 2
+
+
+class _ContextError(Exception):
+    """An option given where it does nothing; reported as a usage error."""
+
+
+_Selection = tuple["ProposerEntry | None", dict]  # the entry chosen (None: plain) and its options
+
+
+def _select_proposer(args: argparse.Namespace, registry: ProposerRegistry) -> _Selection:
+    """The entry the flags select (``None``: plain decoding) and the options given to it.
+    Two proposers at once, or an option of another proposer (or of none), is an error."""
+    given = [(e, o) for e in registry.entries for o in e.options if getattr(args, o.name) is not None]
+    choosers = [(o.flag, e) for e, o in given if o.selects]
+    if args.proposer is not None:
+        choosers.insert(0, (f"--proposer {args.proposer}", registry.entry(args.proposer)))
+    first_flag, entry = choosers[0] if choosers else (None, None)
+    for flag, other in choosers:
+        if other is not entry:
+            raise _ContextError(f"argument {flag}: not allowed with argument {first_flag} (one proposer at a time)")
+    for other, option in given:
+        if other is not entry:
+            where = f", not with {first_flag}" if entry else " (no proposer is chosen)"
+            raise _ContextError(f"argument {option.flag}: only with --proposer {other.name}{where}")
+    if entry is None:
+        for flag, value in (("-k/--num-speculative-tokens", args.num_speculative_tokens), ("--policy", args.policy)):
+            if value is not None:  # plain decoding has no width and no policy
+                raise _ContextError(f"argument {flag}: not allowed without a proposer (--proposer NAME)")
+        return None, {}
+    for option in entry.options:
+        if option.required and getattr(args, option.name) is None:
+            raise _ContextError(f"--proposer {entry.name} needs {option.flag} {option.metavar or option.name.upper()}")
+    options = {o.name: getattr(args, o.name) for o in entry.options}
+    options["num_speculative_tokens"] = args.num_speculative_tokens
+    return entry, options
+
+
+def _run(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selection | None) -> int:
     if getattr(args, "threads", None) is not None:
         import torch
 
         torch.set_num_threads(args.threads)
     if args.command == "generate":
-        return _generate(args)
+        return _generate(args, registry, selection)
     if args.command == "fetch":
         from specdec.hub import fetch
 
@@ -305,7 +385,7 @@ def _train_mtp(args: argparse.Namespace) -> int:
 
 
 def _train_eagle(args: argparse.Namespace) -> int:
-    from specdec.models.eagle import EagleKind
+    from specdec.models.eagle_head import EagleKind
     from specdec.training.eagle import EagleTrainConfig
     from specdec.training.pipeline import train_eagle_pipeline
 
@@ -326,45 +406,13 @@ def _train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _proposer(args: argparse.Namespace):
-    """The proposer the flags name (``None``: plain decoding)."""
-    if args.eagle_head:
-        from specdec.proposers import EAGLETree
-
-        return EAGLETree.from_pretrained(
-            args.eagle_head,
-            top_k=args.tree_top_k,
-            depth=args.tree_depth,
-            num_verify_tokens=args.num_speculative_tokens or 16,
-        )
-    k = args.num_speculative_tokens or 4
-    if args.draft:
-        from specdec.proposers import DraftModel
-
-        return DraftModel.from_pretrained(
-            args.draft,
-            num_speculative_tokens=k,
-            dtype=args.dtype,
-            device=args.device,
-            quantization=args.draft_quantization,
-            confidence_threshold=args.draft_confidence,
-        )
-    if args.mtp_head:
-        from specdec.proposers import MTPHead
-
-        return MTPHead.from_pretrained(args.mtp_head, num_speculative_tokens=k)
-    if args.prompt_lookup:
-        from specdec.proposers import PromptLookup
-
-        return PromptLookup(num_speculative_tokens=k)
-    return None
-
-
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selection) -> int:
     from specdec import Generator
 
     params = _sampling_params(args)  # validated before any model is loaded
-    proposer = _proposer(args)
+    context = BuildContext(target=args.target, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    entry, options = selection
+    proposer = None if entry is None else registry.build(entry.name, options, context, parsed=True)
     fixed = proposer is not None and args.policy == "fixed"
     policy = proposer.num_speculative_tokens if fixed else None
     gen = Generator.from_pretrained(
@@ -387,6 +435,7 @@ def _generate(args: argparse.Namespace) -> int:
     m = gen.metrics
     summary = f"{m.num_generated_tokens} tokens in {elapsed:.2f}s, {m.num_generated_tokens / elapsed:.1f} tok/s"
     if proposer is not None:
+        summary += f", drafted {m.num_drafted}, accepted {m.num_accepted}"
         summary += f", acceptance {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}"
     print(f"[{summary}]")
     return 0
