@@ -56,20 +56,71 @@ def code_token_ids(tokenizer, max_chars: int = 40_000_000) -> list[int]:
     return [t for text in texts for t in tokenizer.encode(text)]
 
 
+# The ISA extensions the CPU kernels' speed depends on, as /proc/cpuinfo names them: AVX2 and
+# FMA (every kernel), AVX-512F, AVX-512 BF16 and VNNI (bf16 and int8 dot products), AVX-VNNI
+# (VNNI on 256-bit registers) and AMX (matrix tiles for bf16 and int8).
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_description(cpuinfo: str) -> dict[str, object]:
+    """The CPU model name, its vendor/family/model/stepping and which of ``ISA_FLAGS`` it has,
+    from a ``/proc/cpuinfo`` text.
+
+    Every processor entry of one machine lists the same values, so the first of each is read.
+    The numbers name the part where a hypervisor shortens the model name (``AMD EPYC``: family
+    25, model 17 is Zen 4). A text without them (another OS or architecture) gives
+    ``"unknown"``, ``None`` and all flags false.
+
+    >>> cpu_description("model name : Zen 3\\nflags : fpu avx2 fma\\n")["isa"]["avx2"]
+    True
+    """
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name", "unknown"),
+        "cpu_id": {
+            "vendor": fields.get("vendor_id"),
+            "family": _int_or_none(fields.get("cpu family")),
+            "model": _int_or_none(fields.get("model")),
+            "stepping": _int_or_none(fields.get("stepping")),
+        },
+        "isa": {flag: flag in flags for flag in ISA_FLAGS},
+    }
+
+
+def _int_or_none(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
+
+
 def machine_info() -> dict[str, object]:
+    """What a benchmark result depends on: the CPU (model and ISA flags), logical CPUs, the
+    threads torch uses now, the software versions, the GPU if any, and the date."""
+    import os
+
     import transformers
 
-    cpu = "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        cpuinfo = ""
     return {
-        "cpu": cpu,
-        "cores": torch.get_num_threads() if False else __import__("os").cpu_count(),
+        **cpu_description(cpuinfo),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

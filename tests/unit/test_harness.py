@@ -24,8 +24,10 @@ def result(stories_path, tmp_path_factory):
     pytest.importorskip("matplotlib")
     out_dir = tmp_path_factory.mktemp("harness")
     from specdec.cli import bundled_model_path
-    from specdec.models.heads import MTPHeadConfig, MTPHeadModel, save_mtp_head
     from specdec.models.loading import load_model
+    from specdec.models.mtp_head import MTPModule as MTPHeadModel
+    from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
+    from specdec.models.mtp_head import save_mtp_head
 
     target, _, _ = load_model(stories_path, dtype="float32")
     head_dir = save_mtp_head(MTPHeadModel(target, MTPHeadConfig.for_target(target.config)), out_dir / "head")
@@ -146,7 +148,7 @@ def test_table_strikes_out_speedups_that_changed_the_text():
         _run("hf-plain", None, 5.0, [1, 2, 9, 4]),  # bf16 rounding differs between stacks
         _run("hf-lookup", 2, 30.0, [1, 2, 9, 4]),
     ]
-    harness._check_against_plain(runs)
+    harness.check_against_plain(runs)
     assert [r["matches_plain"] for r in runs] == [True, False, False, False]
     assert [r["first_divergence"] for r in runs] == [None, 3, 2, 2]
     assert [r["matches_own_plain"] for r in runs] == [True, False, True, True]
@@ -197,10 +199,10 @@ def test_paired_bound_is_each_runs_decode_time_against_its_own_probes():
         dict(seconds=5.0, prefill_seconds=1.0, num_new_tokens=22, prompt_tokens=[3, 4],
              read_bandwidth_probes=[50.0, 40.0]),
     ]
-    pairs = harness._paired_bound_seconds(runs)
+    pairs = harness.paired_bound_seconds(runs)
     assert pairs == [(2.0, 10 / 100.0), (4.0, 10 / 50.0)]
     summary = [dict(threads=1, batch_size=2, decode_tokens_per_s=1.0, paired_decode_bound_seconds=pairs)]
-    harness._rate_against_bounds(summary, [dict(threads=1, weight_bytes=40, bound_decode_steps_per_s=1.0)])
+    harness.rate_against_bounds(summary, [dict(threads=1, weight_bytes=40, bound_decode_steps_per_s=1.0)])
     # (0.1 + 0.2) x 40 B of weight reads against 6 s of decoding.
     assert summary[0]["fraction_of_paired_bound"] == pytest.approx(12 / 6)
 
@@ -217,7 +219,7 @@ def test_closing_probe_reads_at_the_bounds_own_thread_count(monkeypatch):
     try:
         torch.set_num_threads(2)
         bound = dict(threads=1, weight_bytes=4, bandwidth=[0.5])
-        harness._close_bound(bound)
+        harness.close_bound(bound)
         assert bound["bandwidth"] == [0.5, 1.0] and bound["bound_decode_steps_per_s"] == 0.25
     finally:
         torch.set_num_threads(before)
@@ -228,7 +230,7 @@ def test_cpu_preset_and_overrides():
     assert cfg.ks == (1, 2, 3, 4, 5, 6) and cfg.threads == (1, 2) and cfg.repeats == 2
     assert cfg.num_prompts == 10 and cfg.max_new_tokens == 128
     assert "specdec-draft-adaptive" in cfg.systems and "hf-assisted" in cfg.systems
-    assert harness._ks(harness.SYSTEMS["specdec-draft-adaptive"], cfg.ks) == (6,)
+    assert harness.grid_ks(harness.SYSTEMS["specdec-draft-adaptive"], cfg.ks) == (6,)
     assert harness.parse_args(["--preset", "cpu", "--threads", "2"]).threads == (2,)
     # One k for the systems whose k grid would cost an hour each; overridable.
     assert cfg.system_ks["hf-assisted"] == (4,) and "specdec-draft-unquantized" in cfg.systems
@@ -263,7 +265,7 @@ def test_quantized_systems_are_judged_against_their_own_plain():
         _run("specdec-int8-plain", None, 15.0, [1, 2, 3, 4]),
         _run("specdec-int8-draft", 3, 30.0, [1, 2, 3, 9]),  # a speculation error
     ]
-    harness._check_against_plain(runs)
+    harness.check_against_plain(runs)
     summary = {s["system"]: s for s in harness.summarize(runs)}
     assert summary["specdec-q4-plain"]["speedup_vs_specdec_plain"] == pytest.approx(2.5)
     assert summary["specdec-q4-draft"]["speedup_vs_own_plain"] == pytest.approx(35 / 25)
