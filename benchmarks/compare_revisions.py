@@ -63,19 +63,38 @@ def summarize(runs: list[dict]) -> dict[str, dict]:
     for entry in table.values():
         mean_a, mean_b = statistics.fmean(entry["a"]), statistics.fmean(entry["b"])
         entry["b_over_a"] = mean_b / mean_a
+        # The median resists one slow run (a neighbour's burst) better than the mean.
+        entry["b_over_a_median"] = statistics.median(entry["b"]) / statistics.median(entry["a"])
         # Run-to-run noise: the largest relative gap between two runs of the same checkout.
         entry["noise_a"] = (max(entry["a"]) - min(entry["a"])) / mean_a
         entry["noise_b"] = (max(entry["b"]) - min(entry["b"])) / mean_b
     return table
 
 
+def greedy_outputs(harness_runs: list[dict]) -> dict[str, list]:
+    """Each greedy run's tokens by system, k, prompts and repeat: the two checkouts must agree."""
+    return {f"{r['system']} k={r['k']} threads={r.get('threads', 1)} {r['prompt_set']} {r['prompt_id']} "
+            f"batch={r['batch_size']} repeat={r['repeat']}": r["output_token_ids"]
+            for r in harness_runs if r["temperature"] == 0}  # fmt: skip
+
+
+def same_outputs(runs: list[dict]) -> bool:
+    """Whether every greedy output of every run equals the first run's for the same key."""
+    first: dict[str, list] = {}
+    for run in runs:
+        for key, tokens in run.get("outputs", {}).items():
+            if first.setdefault(key, tokens) != tokens:
+                return False
+    return True
+
+
 def markdown(table: dict[str, dict]) -> str:
-    lines = ["| system | A tok/s (runs) | B tok/s (runs) | B / A | spread A | spread B | = plain |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| system | A tok/s (runs) | B tok/s (runs) | B / A (means) | B / A (medians) | spread A | spread B | = plain |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for key, e in table.items():
         runs_a = ", ".join(f"{x:.2f}" for x in e["a"])
         runs_b = ", ".join(f"{x:.2f}" for x in e["b"])
-        lines.append(f"| {key} | {runs_a} | {runs_b} | {e['b_over_a']:.3f} | {e['noise_a']:.1%} "
+        lines.append(f"| {key} | {runs_a} | {runs_b} | {e['b_over_a']:.3f} | {e['b_over_a_median']:.3f} | {e['noise_a']:.1%} "
                      f"| {e['noise_b']:.1%} | {'yes' if e['matches_plain'] else 'NO'} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -97,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for i, which in enumerate(turn_order(args.rounds)):
             result = run_harness(trees[which], harness_args, Path(tmp), f"{which}{i}")
-            runs.append({"checkout": which, "turn": i, "summary": result["summary"]})
+            runs.append({"checkout": which, "turn": i, "summary": result["summary"],
+                         "outputs": greedy_outputs(result["runs"])})  # fmt: skip
     table = summarize(runs)
     revs = {k: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip() for k, t in trees.items()}  # fmt: skip
     out = {"machine": machine_info(), "checkouts": {k: {"path": str(trees[k]), "rev": revs[k]} for k in trees},
            "harness_args": harness_args, "turns": turn_order(args.rounds), "runs": runs,
-           "table": table, "markdown": markdown(table)}  # fmt: skip
+           "table": table, "same_greedy_outputs": same_outputs(runs), "markdown": markdown(table)}  # fmt: skip
     path = write_json(args.out, out)
     print(out["markdown"])
+    print(f"greedy outputs of A and B identical: {out['same_greedy_outputs']}")
     print(f"wrote {path}")
     return 0
 

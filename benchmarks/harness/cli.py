@@ -72,7 +72,7 @@ from benchmarks.harness.config import HarnessConfig
 from benchmarks.harness.grid import run_grid
 from benchmarks.harness.prompts import PROMPT_SETS
 from benchmarks.harness.report import bounds_markdown, markdown_table
-from benchmarks.harness.systems import all_systems
+from benchmarks.harness.systems import all_systems, check_systems
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -137,7 +137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> HarnessConfig:
     args = vars(_parser(HarnessConfig(**PRESETS.get(known.preset, {}))).parse_args(argv))
     args.pop("preset")
     args["proposer_options"] = dict(args["proposer_options"] or ())
-    return HarnessConfig(**args)
+    cfg = HarnessConfig(**args)
+    check_systems(cfg)
+    return cfg
 
 
 def _parser(d: HarnessConfig) -> argparse.ArgumentParser:

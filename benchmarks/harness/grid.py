@@ -22,7 +22,7 @@ from benchmarks.harness.config import HarnessConfig
 from benchmarks.harness.pool import ModelPool
 from benchmarks.harness.prompts import PROMPT_SETS, Prompt, tokenize_prompts
 from benchmarks.harness.runners import Runner
-from benchmarks.harness.systems import REFERENCE, all_systems, grid_ks
+from benchmarks.harness.systems import REFERENCE, all_systems, check_systems, grid_ks
 
 HF_SETTINGS = {
     "all": "generate(input_ids, attention_mask, max_new_tokens=n, do_sample, repetition_penalty=1.0, "
@@ -42,6 +42,7 @@ def _log(msg: str) -> None:
 
 def run_grid(cfg: HarnessConfig) -> dict:
     """Run the whole grid and return the JSON payload (without writing it)."""
+    check_systems(cfg)  # before any model loads
     pool, prompts = _load(cfg)
     systems = all_systems()
     instances = [

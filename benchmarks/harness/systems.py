@@ -27,6 +27,7 @@ import attrs
 from benchmarks.harness.runners import HFRunner, LlamaCppRunner, Runner, SpecdecRunner
 
 if TYPE_CHECKING:
+    from benchmarks.harness.config import HarnessConfig
     from benchmarks.harness.pool import ModelPool
     from specdec.interfaces import Proposer
 
@@ -309,3 +310,29 @@ def all_systems() -> dict[str, System]:
                              "which the harness already has; rename the entry")  # fmt: skip
         plugins[name] = _specdec(name, functools.partial(_registered, entry.name))
     return {**SYSTEMS, **plugins}
+
+
+def check_systems(cfg: HarnessConfig) -> None:
+    """``cfg``'s systems, per-system k lists and plug-in options name what exists (the
+    plug-ins installed now included); ``ValueError`` naming the flag otherwise."""
+    systems = all_systems()
+    unknown = set(cfg.systems) - set(systems)
+    if unknown:
+        raise ValueError(f"--systems: unknown {sorted(unknown)}; choose from {list(systems)}")
+    for name, ks in cfg.system_ks.items():
+        if name not in systems or not systems[name].speculative:
+            speculative = [n for n, s in systems.items() if s.speculative]
+            raise ValueError(f"--system-ks: {name!r} is not one of {speculative}")
+        if not ks or any(k < 1 for k in ks):
+            raise ValueError(f"--system-ks: {name} needs integers >= 1, got {ks}")
+    _check_proposer_options(cfg.proposer_options)
+
+
+def _check_proposer_options(options: dict[str, str]) -> None:
+    from specdec.proposers.registry import load_registry
+
+    known = {o.name for e in load_registry().entries for o in e.options}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"--proposer-option: no registered proposer takes {unknown[0]!r}; "
+                         f"options: {', '.join(sorted(known))}")  # fmt: skip
