@@ -111,16 +111,21 @@ class Engine:
           probabilities in its rows, or an exception from its stop check (a stop-string
           decode callback): that request alone fails; the rest of the batch is committed.
         - per batch: an exception from a component serving the whole batch (the proposer's
-          ``propose``/``on_target_step``, a malformed proposal, the verifier, the sampler, the
-          model): every request of this step's batch fails with that exception, because their
-          KV and proposer state may be half-updated. Waiting requests are untouched.
+          ``propose``/``on_target_step``/``on_request_start``, a malformed proposal, the
+          verifier, the sampler, the model): every request of this step's batch fails with that
+          exception, because their KV and proposer state may be half-updated. Waiting requests
+          are untouched. A raising ``on_request_end`` never keeps a request's state: its state
+          is freed first; on preemption that request fails; on a cancel the caller gets it.
 
         Either way the failed requests' pages and proposer state are released at once.
         Exceptions that are not ``Exception`` (KeyboardInterrupt) propagate.
         """
         batch = self.scheduler.schedule(self.num_speculative_tokens)
         for req in batch.preempted:
-            self._release_proposer(req, RequestEnd.PREEMPTED)
+            try:
+                self._release_proposer(req, RequestEnd.PREEMPTED)
+            except Exception as exc:  # noqa: BLE001 - a plug-in's hook: fails that request only
+                self.fail(req, exc)
         if batch.empty:
             return StepOutput.empty()
         timing = _StepTiming()
@@ -151,7 +156,10 @@ class Engine:
     def fail(self, req: Request, error: BaseException) -> None:
         """End ``req`` with ``error``; its pages and proposer state are released at once."""
         req.error = error
-        self._finish(req, FinishReason.ERROR)
+        try:
+            self._finish(req, FinishReason.ERROR)
+        except Exception:  # noqa: BLE001, S110 - a tracking proposer's end hook raised (its
+            pass  # state is freed regardless); the request already fails with its own error
 
     def cancel(self, req: Request) -> None:
         """End ``req`` (waiting or running) as cancelled; its pages are freed at once."""
@@ -537,12 +545,14 @@ class Engine:
         first (once per start)."""
         if self.proposer is None:
             return
-        if req.seq_id in self._started:
-            self._started.discard(req.seq_id)
-            self._tracker.on_request_end(req.seq_id, end)
-        self.proposer.release(req.seq_id)
-        self.policy.release(req.seq_id)
-        self._seen.pop(req.seq_id, None)
+        try:
+            if req.seq_id in self._started:
+                self._started.discard(req.seq_id)
+                self._tracker.on_request_end(req.seq_id, end)
+        finally:  # a plug-in's failing hook must not keep the request's state alive
+            self.proposer.release(req.seq_id)
+            self.policy.release(req.seq_id)
+            self._seen.pop(req.seq_id, None)
 
 
 @attrs.define

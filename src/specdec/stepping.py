@@ -19,7 +19,7 @@ from specdec.interfaces import Scheduler
 from specdec.request import FinishReason, Request, RequestView
 from specdec.types import StepOutput
 
-__all__ = ["StepLoop", "raise_if_failed"]
+__all__ = ["StepLoop", "cancel_all", "raise_if_failed"]
 
 
 class StepLoop:
@@ -76,8 +76,7 @@ class StepLoop:
             while not all(r.finished for r in reqs):
                 self.advance(reqs, self._num_steps)
         finally:
-            for req in reqs:
-                self.cancel(req)
+            cancel_all(self, reqs)
         raise_if_failed(reqs)
 
     def advance(self, reqs: Sequence[Request], seen: int) -> None:
@@ -137,3 +136,16 @@ def raise_if_failed(reqs: Sequence[Request]) -> None:
     for req in reqs:
         if req.finish_reason is FinishReason.ERROR:
             raise req.error or RuntimeError(f"request {req.seq_id} failed")
+
+
+def cancel_all(loop: StepLoop, reqs: Sequence[Request]) -> None:
+    """Cancel every unfinished request of ``reqs``; an exception from one (a proposer's end
+    hook) is raised after all the others are cancelled too, so none keeps its pages."""
+    error: Exception | None = None
+    for req in reqs:
+        try:
+            loop.cancel(req)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the rest
+            error = error or exc
+    if error is not None:
+        raise error

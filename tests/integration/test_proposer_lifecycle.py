@@ -184,3 +184,70 @@ def test_prompt_lens_follow_each_sequence_of_a_batch(target):
     for seq_ids, prompt_lens, history_lens in proposer.contexts:
         assert prompt_lens == tuple(prompt_len[s] for s in seq_ids)
         assert all(p < n for p, n in zip(prompt_lens, history_lens))  # the rest was emitted
+
+
+class BrokenEndHook(Recording):
+    """Its end hook raises every time: each request's state must be freed all the same."""
+
+    def on_request_end(self, seq_id, reason):
+        super().on_request_end(seq_id, reason)
+        raise RuntimeError(f"end hook broke: {reason.value}")
+
+
+def _all_pages_free(gen: Generator) -> bool:
+    stats = gen.kv_stats()
+    return stats["num_free_pages"] == stats["num_total_pages"] and stats["num_sequences"] == 0
+
+
+def test_a_raising_end_hook_frees_every_request_all_the_same(target):
+    proposer = BrokenEndHook()
+    gen = make_gen(target, proposer, num_pages=12, max_batch_size=4)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    handles = [gen.submit(p, params) for p in ([1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12], [13, 14])]
+    run_all(gen)  # preempted, finished and failed requests alike: the hook raised every time
+    assert gen.scheduler.num_preemptions > 0
+    assert all(h.done for h in handles) and _all_pages_free(gen)
+    for h in handles:
+        events = proposer.of(h.request_id)
+        assert events.count(("release",)) >= sum(e[0] == "end" for e in events) >= 1
+
+    # A cancel: the hook's error reaches the caller, after the request was freed.
+    handle = gen.submit([1, 2, 3], params)
+    gen.step()
+    with pytest.raises(RuntimeError, match="end hook broke: cancelled"):
+        handle.cancel()
+    assert handle.done and _all_pages_free(gen)
+
+    # generate() cancels what is left of all its requests even when a cancel raises.
+    with pytest.raises(RuntimeError, match="end hook broke"):
+        gen.generate([[1, 2, 3], [4, 5, 6]], params)
+    assert _all_pages_free(gen)
+
+
+def test_a_sampled_chain_refuses_draft_vocabulary_columns():
+    import torch
+
+    from specdec.proposers.chain_drafting import draft_chain
+    from specdec.sampling import SamplingTensors
+
+    def step(j, previous):
+        return torch.zeros(1, 2), torch.tensor([7, 9])
+
+    sampling = SamplingTensors.from_params([SamplingParams(temperature=1.0)], torch.device("cpu"))
+    with pytest.raises(ValueError, match="sampled drafts need full-vocabulary logits"):
+        draft_chain(step, 2, greedy=False, sampling=sampling, generators=[None])
+
+
+def test_removed_module_paths_warn_and_resolve():
+    import importlib
+
+    from specdec.policy.tree import TreeSizer
+    from specdec.verify.kernel_choice import check_kernel_choice
+
+    with pytest.warns(DeprecationWarning, match="specdec.policy.tree.TreeSizer"):
+        assert importlib.import_module("specdec.tree_policy").TreeSizer is TreeSizer
+    with pytest.warns(DeprecationWarning, match="kernel_choice.check_kernel_choice"):
+        assert importlib.import_module("specdec.verify.device").check_kernel_choice is check_kernel_choice
+    with pytest.warns(DeprecationWarning, match="use specdec.proposers.chain_drafting.ChainProposerConfig"):
+        legacy = importlib.import_module("specdec.proposers.mtp").MTPHeadProposerConfig
+    assert legacy().num_speculative_tokens == 1  # the old default, kept

@@ -93,6 +93,9 @@ def draft_chain(
             picked = logits.argmax(dim=-1)  # [rows] column indices
             tokens = picked if columns is None else columns[picked]
         else:
+            if columns is not None:  # a draft vocabulary's columns are not token ids
+                raise ValueError("next_logits returned draft-vocabulary columns for a sampled chain; "
+                                 "sampled drafts need full-vocabulary logits")
             step_probs = processed_probs(logits, sampling)  # one-hot rows for greedy requests
             tokens = picked = sample_from_probs(step_probs, shift_rows(generators, step))
             probs.append(step_probs)

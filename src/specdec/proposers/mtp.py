@@ -23,6 +23,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from specdec.config import speculative_tokens
 from specdec.deprecation import moved_names
 from specdec.interfaces import ProposeContext
 from specdec.models.llama import LlamaModel
@@ -35,10 +36,20 @@ from specdec.types import PAD_TOKEN_ID, DraftProposal, ProposalKind
 
 __all__ = ["MTPHead"]
 
-# The settings of every chain proposer are one config now.
+# The settings of every chain proposer are one config now (ChainProposerConfig); the old
+# name keeps its own default of one draft per step, as MTPHead.from_* does.
 __getattr__ = moved_names(
-    __name__, {"MTPHeadProposerConfig": "specdec.proposers.chain_drafting:ChainProposerConfig"}
+    __name__,
+    {"MTPHeadProposerConfig": "specdec.proposers.mtp:_MTPHeadProposerConfig"},
+    use={"MTPHeadProposerConfig": "specdec.proposers.chain_drafting.ChainProposerConfig"},
 )
+
+
+@attrs.frozen(kw_only=True)
+class _MTPHeadProposerConfig(ChainProposerConfig):
+    """The deprecated ``MTPHeadProposerConfig``: a ChainProposerConfig whose k defaults to 1."""
+
+    num_speculative_tokens: int = attrs.field(default=1, validator=speculative_tokens)
 
 
 class MTPHead(HeadProposer):

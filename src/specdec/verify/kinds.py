@@ -112,7 +112,7 @@ class TreeKind:
     def commit(self, manager: KVCacheManager, layout: BatchLayout, starts, paths, hidden):
         """Compact each kept path into place (every KV pool), and gather the input ids and
         hidden states so each sequence's kept rows come first, in path order."""
-        for seq_id, start, path in zip(layout.seq_ids, starts, paths):
+        for seq_id, start, path in zip(layout.seq_ids, starts, paths, strict=True):
             manager.compact(seq_id, [start + r for r in path], start)
         order = torch.tensor(kept_first_order(paths, layout.q_lens), dtype=torch.int64)
         input_ids = layout.token_ids[order.to(layout.token_ids.device)]  # [num rows] int64
