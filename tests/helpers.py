@@ -142,3 +142,16 @@ def record_drafts(proposer) -> list[int]:
 
     proposer.propose = recording
     return drafted
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """``specdec`` with ``args`` in this process: (exit code, stdout, stderr); argparse's usage
+    errors (``SystemExit``) count as their exit code."""
+    from specdec.cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import random_head
+from helpers import random_head, run_cli
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.config import MAX_SPECULATIVE_TOKENS
@@ -806,15 +806,7 @@ def test_abandoned_stream_leaves_nothing_behind(stories_path):
 # --- command line ------------------------------------------------------------------------------
 
 
-def _cli(args: list[str], capsys) -> tuple[int, str, str]:
-    from specdec.cli import main
-
-    try:
-        code = main(args)
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_cli = run_cli  # (exit code, stdout, stderr) of one `specdec` command
 
 
 @pytest.mark.parametrize(

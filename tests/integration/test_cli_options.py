@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
 from specdec.cli import build_parser, bundled_model_path, main
 from specdec.proposers.registry import load_registry
@@ -14,13 +15,7 @@ from specdec.proposers.registry import load_registry
 EAGLE_HEAD = bundled_model_path().parent / "stories260K-eagle"
 
 
-def _cli(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(args)
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+_cli = run_cli  # (exit code, stdout, stderr) of one `specdec` command
 
 
 def _generate(*extra: str) -> list[str]:
