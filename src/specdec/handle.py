@@ -147,7 +147,9 @@ class RequestHandle:
 
 
 class _TextDeltas:
-    """Turns a request's growing output into text deltas, holding back a partial character."""
+    """Turns a request's growing output into text deltas, holding back a partial character
+    and, while the request runs, any end of the text that a stop string may yet complete: the
+    streamed text is always a prefix of the text ``result()`` returns."""
 
     def __init__(self, codec: TextCodec, request: Request) -> None:
         self._codec = codec
@@ -157,8 +159,28 @@ class _TextDeltas:
     def pull(self, view: RequestView) -> str:
         text = self._codec.text_of(self._req.prompt_ids, view.output_ids, view.stop_text_len)
         # "\ufffd" at the end is a multi-byte character cut between tokens: wait for the rest.
-        if (not view.finished and text.endswith("\ufffd")) or len(text) <= len(self._sent):
+        if not view.finished:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[: len(text) - stop_prefix_len(text, self._req.params.stop)]
+        if len(text) <= len(self._sent):
             return ""
         delta = text[len(self._sent) :]
         self._sent = text
         return delta
+
+
+def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string (which the next
+    tokens may complete, and then the text is cut before it); 0 when none does.
+
+    >>> stop_prefix_len("a big, red b", ("red ball",)), stop_prefix_len("a big", ("red ball",))
+    (5, 0)
+    """
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

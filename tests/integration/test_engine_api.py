@@ -542,3 +542,24 @@ def test_bad_cancel_changes_nothing(target):
     assert _engine_state(gen) == before
     assert live.result().finish_reason == "length"
     assert_clean(gen)
+
+
+def test_streamed_text_never_shows_the_start_of_a_stop_string(stories_path):
+    """Streaming with a stop string yields exactly the text generate() returns: an end of the
+    text that a stop string may yet complete is held back until it cannot (or the request
+    ends). Stops are cut from the plain output at several places, so each spans tokens."""
+    gen = Generator.from_pretrained(stories_path, dtype="float32")
+    prompt = "Once upon a time"
+    full = gen.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True)).text
+    checked = 0
+    for start in range(6, len(full) - 12, 7):
+        stop = full[start : start + 9]
+        if full.index(stop) != start:  # cut at its first occurrence only
+            continue
+        params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop])
+        want = gen.generate(prompt, params)
+        assert want.finish_reason == "stop" and want.text == full[:start]
+        deltas = list(gen.stream(prompt, params))
+        assert "".join(deltas) == want.text, stop
+        checked += 1
+    assert checked >= 5
