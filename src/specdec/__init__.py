@@ -1,6 +1,6 @@
 """specdec: lossless speculative decoding for LLMs."""
 
-from specdec.config import CacheConfig, SamplingParams
+from specdec.config import CacheConfig, SamplingParams, StructuredOutput
 from specdec.generator import GenerationOutput, Generator
 from specdec.handle import RequestHandle
 from specdec.metrics import SpecMetrics
@@ -20,5 +20,6 @@ __all__ = [
     "RequestHandle",
     "SamplingParams",
     "SpecMetrics",
+    "StructuredOutput",
 ]
 __version__ = "0.1.0"

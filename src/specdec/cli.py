@@ -12,11 +12,13 @@ error too.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.config import MAX_ADDITIVE_PENALTY, MAX_LOGIT_BIAS
 from specdec.proposers.registry import (
     BuildContext,
     ProposerEntry,
@@ -48,9 +50,50 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest one's probability")
     p.add_argument("--seed", type=int, default=None, help="seed of sampled requests: the same output every run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                   help="stop at this token id, >= 0 (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past end-of-sequence up to --max-new-tokens")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no end-of-sequence or --stop-token-id before N new tokens (0..--max-new-tokens; default 0)")
+    p.add_argument("--n", type=int, default=1, metavar="N",
+                   help="samples per prompt, >= 1 (default 1; more than 1 needs --temperature > 0)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="log-probabilities of each new token and its N likeliest alternatives (N >= 0)")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="log-probabilities of each prompt token and its N likeliest alternatives (N >= 0)")
+    logits = p.add_argument_group("logits", "change the target's logits before sampling (speculation keeps "
+                                  "the output of the changed target exactly)")
+    logits.add_argument("--repetition-penalty", type=float, default=1.0, metavar="F",
+                        help="divide a positive logit of a token already in the prompt or output by F, "
+                        "multiply a negative one (F > 0; 1 is off, the default)")
+    logits.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                        help=f"subtract F times a token's count in the output from its logit "
+                        f"(-{MAX_ADDITIVE_PENALTY:g}..{MAX_ADDITIVE_PENALTY:g}; default 0)")
+    logits.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                        help=f"subtract F from the logit of every token already in the output "
+                        f"(-{MAX_ADDITIVE_PENALTY:g}..{MAX_ADDITIVE_PENALTY:g}; default 0)")
+    logits.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="ID=BIAS",
+                        help=f"add BIAS (-{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}) to token ID's logit "
+                        "(repeatable, one token each)")
+    logits.add_argument("--allowed-token-ids", type=_int_list, default=None, metavar="I,J,K",
+                        help="sample only these token ids, >= 0 (default: every token)")
+    logits.add_argument("--bad-word", action="append", default=[], metavar="WORD",
+                        help="never generate this word or phrase, with or without a leading space (repeatable)")
+    structured = p.add_argument_group("structured output", "constrain the output to one of these (at most one)")
+    one = structured.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", type=_json_schema, default=None, metavar="FILE_OR_JSON",
+                     help="JSON that follows this schema: a .json file or inline JSON text ('{...}')")
+    one.add_argument("--regex", default=None, metavar="R", help="text that matches this regular expression")
+    one.add_argument("--choice", action="append", default=None, metavar="C",
+                     help="exactly one of these strings (repeatable: one choice each)")
+    one.add_argument("--grammar", type=_read_text, default=None, metavar="FILE",
+                     help="text in the language of this EBNF grammar file")
+    one.add_argument("--json-object", action="store_true", help="any JSON object")
 
 
 def _sampling_params(args: argparse.Namespace):
+    """The ``SamplingParams`` of the sampling flags; its validators check every value (a
+    ``ValueError`` naming the field, reported like any other error)."""
     from specdec import SamplingParams
 
     return SamplingParams(
@@ -61,7 +104,81 @@ def _sampling_params(args: argparse.Namespace):
         min_p=args.min_p,
         seed=args.seed,
         stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        logit_bias=_logit_bias_map(args.logit_bias),
+        allowed_token_ids=args.allowed_token_ids,
+        bad_words=tuple(args.bad_word),
+        min_tokens=args.min_tokens,
+        structured_output=_structured_output(args),
+        n=args.n,
+        prompt_logprobs=args.prompt_logprobs,
     )
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """argparse type: ``ID=BIAS`` (``50256=-100``)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be ID=BIAS (an int token id = a number), got {text!r}") from None
+
+
+def _logit_bias_map(pairs: list[tuple[int, float]]) -> dict[int, float]:
+    """``--logit-bias`` pairs as a mapping; a token biased twice is an error, not a silent pick."""
+    bias: dict[int, float] = {}
+    for token, value in pairs:
+        if token in bias:
+            raise ValueError(f"--logit-bias gives token {token} twice ({bias[token]:g} and {value:g})")
+        bias[token] = value
+    return bias
+
+
+def _read_text(path: str, hint: str = "") -> str:
+    """argparse type: the text of a file (an EBNF grammar, a JSON schema)."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {reason}{hint}") from None
+
+
+def _json_schema(text: str) -> dict:
+    """argparse type: a JSON schema object, inline (``'{"type": "object"}'``) or the path of a
+    JSON file. Text that starts with ``{`` is inline JSON; anything else is a path."""
+    inline = text.lstrip().startswith("{")
+    source = text if inline else _read_text(text, " (inline JSON starts with '{')")
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as exc:
+        where = "" if inline else f" in {text!r}"
+        raise argparse.ArgumentTypeError(f"invalid JSON{where}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
+    return schema
+
+
+def _structured_output(args: argparse.Namespace):
+    """The ``StructuredOutput`` of the one structured-output flag given (argparse refuses two),
+    or ``None``."""
+    from specdec.config import StructuredOutput
+
+    given = {
+        name: value
+        for name, value in (("json_schema", args.json_schema), ("regex", args.regex),
+                            ("choice", args.choice), ("grammar", args.grammar))
+        if value is not None
+    }  # fmt: skip
+    if args.json_object:
+        given["json_object"] = True
+    return StructuredOutput(**given) if given else None
 
 
 def _int_list(text: str) -> tuple[int, ...]:

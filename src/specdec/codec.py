@@ -30,6 +30,32 @@ class TextCodec:
     def __init__(self, tokenizer: object | None) -> None:
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._grammars: dict[tuple, object] = {}  # (vocab, eos ids) -> GrammarCompiler
+
+    def encode_plain(self, text: str) -> list[int]:
+        """The token ids of ``text`` alone, without BOS or other special tokens (a fragment of
+        a longer text, such as a banned word)."""
+        if self.tokenizer is None:
+            raise ValueError("this generator has no tokenizer: pass token ids instead of text")
+        with self._lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def grammar_compiler(self, vocab_size: int, eos_token_ids: Sequence[int]):
+        """The :class:`~specdec.logits.grammar.GrammarCompiler` of this tokenizer, made on first
+        use (it reads the whole vocabulary) and shared by every request after that, so each
+        grammar is compiled once per tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("params.structured_output needs a tokenizer (this generator has none)")
+        key = (vocab_size, tuple(sorted(eos_token_ids)))
+        with self._lock:
+            compiler = self._grammars.get(key)
+            if compiler is None:
+                from specdec.logits.grammar import GrammarCompiler
+
+                compiler = self._grammars[key] = GrammarCompiler(
+                    self.tokenizer, vocab_size, list(key[1])
+                )
+            return compiler
 
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text``; ValueError without a tokenizer."""

@@ -7,13 +7,14 @@ run at construction, so bad input fails before any work starts, with the argumen
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "SamplingParams",
+    "StructuredOutput",
     "CacheConfig",
     "boolean",
     "check_arg",
@@ -186,6 +187,164 @@ def _token_ids(instance: object, attribute: attrs.Attribute, value: tuple) -> No
             raise ValueError(f"{attribute.name} must hold token ids >= 0, got {t!r}")
 
 
+def _float_in(low: float, high: float):
+    """Validator: a finite number in ``[low, high]``."""
+
+    def check(instance: object, attribute: attrs.Attribute, value: object) -> None:
+        if not low <= _finite_float(attribute, value) <= high:
+            raise ValueError(f"{attribute.name} must be in [{low}, {high}], got {value}")
+
+    return check
+
+
+# OpenAI's (and vLLM's) ranges: a bias of +-100 already bans or forces a token.
+MAX_LOGIT_BIAS = 100.0
+MAX_ADDITIVE_PENALTY = 2.0
+
+
+def _to_bias_pairs(value: object) -> object:
+    """Converter: a ``{token_id: bias}`` mapping (JSON keys may be strings of digits) becomes
+    sorted ``(token_id, bias)`` pairs, hashable like the rest of a frozen config."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        pairs = []
+        for key, bias in value.items():
+            if isinstance(key, str) and key.strip().isdigit():
+                key = int(key)
+            pairs.append((key, bias))
+        return tuple(sorted(pairs, key=lambda kv: (not isinstance(kv[0], int), str(kv[0]))))
+    return value
+
+
+def _bias_pairs(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, tuple):
+        raise TypeError(
+            f"{attribute.name} must be a mapping of token id -> bias, got {type(value).__name__}"
+        )
+    for pair in value:
+        token, bias = pair
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"{attribute.name} keys must be token ids >= 0, got {token!r}")
+        check = _float_in(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        check(instance, _Argument(f"{attribute.name}[{token}]"), bias)
+
+
+def _to_optional_int_tuple(value: object) -> object:
+    return None if value is None else _to_int_tuple(value)
+
+
+def _allowed_ids(instance: object, attribute: attrs.Attribute, value: tuple | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError(
+            f"{attribute.name} must hold at least one token id (None allows every token)"
+        )
+    _token_ids(instance, attribute, value)
+
+
+def _processors(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, tuple):
+        raise TypeError(f"{attribute.name} must be a sequence of callables")
+    for i, fn in enumerate(value):
+        if not callable(fn):
+            raise TypeError(f"{attribute.name}[{i}] must be callable, got {type(fn).__name__}")
+
+
+def _structured(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and not isinstance(value, StructuredOutput):
+        raise TypeError(
+            f"{attribute.name} must be a StructuredOutput or None, got {type(value).__name__}"
+        )
+
+
+def _json_schema(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (str, dict)):
+        raise TypeError(
+            f"structured_output.json_schema must be a JSON schema (a dict or its JSON text), "
+            f"got {type(value).__name__}"
+        )
+
+
+def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"structured_output.{attribute.name} must be a non-empty string, got {value!r}")
+
+
+def _choices(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        raise ValueError(f"structured_output.choice must be a non-empty list of strings, got {value!r}")
+    for c in value:
+        if not isinstance(c, str) or not c:
+            raise ValueError(f"structured_output.choice must hold non-empty strings, got {c!r}")
+
+
+def _freeze_schema(value: object) -> object:
+    """A dict schema is kept as compact JSON text: hashable, one cache key per schema, and its
+    property order kept (the grammar emits properties in schema order)."""
+    if isinstance(value, dict):
+        import json
+
+        return json.dumps(value, separators=(",", ":"))  # key order kept: it orders the output
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutput:
+    """Constrain a request's output to a JSON schema, a regex, one of some strings, or an EBNF
+    grammar (exactly one of them).
+
+    The constraint is a mask on the target's distribution at every position, so speculation
+    keeps it exactly: drafts that leave the grammar are rejected (and drafts are masked too,
+    so they rarely do). ``json_schema={}`` or ``json_object=True`` asks for any JSON object.
+    The grammar is compiled when the request is submitted; a malformed one is a ``ValueError``
+    naming the field.
+
+    Example:
+        >>> StructuredOutput(json_schema={"type": "object", "properties": {"n": {"type": "integer"}}})
+        >>> StructuredOutput(choice=["yes", "no"])
+    """
+
+    json_schema: str | None = attrs.field(default=None, converter=_freeze_schema, validator=_json_schema)
+    regex: str | None = attrs.field(default=None, validator=_optional_str)
+    choice: tuple[str, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else sequence_to_tuple(v), validator=_choices
+    )
+    grammar: str | None = attrs.field(default=None, validator=_optional_str)
+    json_object: bool = attrs.field(default=False, validator=boolean)
+
+    def __attrs_post_init__(self) -> None:
+        given = [
+            name
+            for name, v in (
+                ("json_schema", self.json_schema),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if v is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_output needs exactly one of json_schema, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: ``json_schema``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        for name in ("json_schema", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How one request turns logits into tokens, and when it stops.
@@ -210,10 +369,69 @@ class SamplingParams:
     )
     ignore_eos: bool = attrs.field(default=False, validator=boolean)
     logprobs: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    # --- options that transform the target's logits from the history (specdec.logits) ---
+    # transformers' rule over prompt + output tokens: a seen token's logit is divided by the
+    # penalty when positive, multiplied when negative; 1 is off.
+    repetition_penalty: float = attrs.field(default=1.0, validator=positive_float)
+    # OpenAI's rules over output tokens: logit -= frequency * count, -= presence * (count > 0).
+    frequency_penalty: float = attrs.field(
+        default=0.0, validator=_float_in(-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY)
+    )
+    presence_penalty: float = attrs.field(
+        default=0.0, validator=_float_in(-MAX_ADDITIVE_PENALTY, MAX_ADDITIVE_PENALTY)
+    )
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=_to_bias_pairs, validator=_bias_pairs
+    )
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_optional_int_tuple, validator=_allowed_ids
+    )
+    # Words (or phrases) never generated: every tokenisation with and without a leading space.
+    bad_words: tuple[str, ...] = attrs.field(
+        default=(), converter=_to_str_tuple, validator=_stop_strings
+    )
+    min_tokens: int = attrs.field(default=0, validator=non_negative_int)
+    logits_processors: tuple[Callable, ...] = attrs.field(
+        default=(), converter=sequence_to_tuple, validator=_processors
+    )
+    structured_output: StructuredOutput | None = attrs.field(default=None, validator=_structured)
+    n: int = attrs.field(default=1, validator=positive_int)
+    prompt_logprobs: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})"
+            )
+        if self.structured_output is not None and self.ignore_eos:
+            raise ValueError(
+                "structured_output and ignore_eos contradict each other: a finished structure "
+                "allows only the end-of-sequence token"
+            )
+        if self.n > 1 and self.is_greedy:
+            raise ValueError(
+                f"n = {self.n} needs temperature > 0: greedy samples of one prompt are all the same"
+            )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether any option changes the target's logits with the history (the engine then
+        transforms every verify row with that row's own history)."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self.bad_words
+            or self.min_tokens
+            or self.logits_processors
+            or self.structured_output is not None
+        )
 
 
 @attrs.frozen(kw_only=True)

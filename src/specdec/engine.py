@@ -36,6 +36,8 @@ from specdec.interfaces import (
     Verifier,
 )
 from specdec.kv.paged import ModelKV
+from specdec.logits.batch import draft_transforms, first_dead, transform_rows
+from specdec.logits.prompt_logprobs import logits_rows, record_prompt_logprobs, wants_prompt_rows
 from specdec.metrics import SpecMetrics
 from specdec.models.llama import LlamaModel
 from specdec.policy import AdaptivePolicy
@@ -187,9 +189,18 @@ class Engine:
         layout = self.target_kv.layout(
             [r.seq_id for r in reqs], rows, starts, device=self.target.device
         )
-        out = self._target_pass(layout, timing, logits_indices=layout.last_row_indices)
+        if any(wants_prompt_rows(r) for r in reqs):
+            kept, last = logits_rows(reqs, layout.q_lens)  # every row of those that ask
+            index = torch.tensor(kept, dtype=torch.int64, device=self.target.device)
+            out = self._target_pass(layout, timing, logits_indices=index)
+            self._record_prompt_logprobs(reqs, out.logits, last, starts, layout.q_lens)
+            out = attrs.evolve(out, logits=out.logits[torch.tensor(last, device=out.logits.device)])
+        else:
+            out = self._target_pass(layout, timing, logits_indices=layout.last_row_indices)
         errors: dict[int, BaseException] = {}
         logits = _isolate_non_finite(reqs, out.logits, errors, "target logits")  # [batch, vocab]
+        logits, dead = transform_rows(reqs, logits[:, None], [[[]] for _ in reqs], errors)
+        logits = logits[:, 0]  # [batch, vocab], each request's options applied
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         tokens = self.sampler.sample(
             logits, [r.params for r in reqs], [r.randomness() for r in reqs], sampling=sampling
@@ -209,6 +220,7 @@ class Engine:
                 depths=[0] * len(reqs),
                 hidden=out.hidden_states,
                 errors=errors,
+                dead=dead,
             ),
         )
 
@@ -276,6 +288,7 @@ class Engine:
                 device=self.target.device,
                 sampling=sampling if len(drafting) == len(reqs) else sampling.select_rows(drafting),
                 graphs=self.proposer_graphs,
+                logits_transforms=draft_transforms([reqs[i] for i in drafting]),
             )
         )
         _check_proposal_shapes(proposal, len(drafting), lookahead, self.proposer.kind)
@@ -345,6 +358,12 @@ class Engine:
             draft_probs = _isolate_non_finite(reqs, proposal.draft_probs, errors, "draft probabilities")
             if draft_probs is not proposal.draft_probs:
                 proposal = attrs.evolve(proposal, draft_probs=draft_probs)
+        histories = [
+            rules.row_histories(d, None if parents is None else parents[i], n)
+            for i, (d, n) in enumerate(zip(drafts, num_draft))
+        ]
+        # Each row's distribution under the request's options, with that row's own history.
+        target_logits, dead = transform_rows(reqs, target_logits, histories, errors)
         params = [r.params for r in reqs]
         result = verifier.verify(
             target_logits, proposal, params, [r.randomness() for r in reqs], sampling=sampling
@@ -370,6 +389,7 @@ class Engine:
             num_accepted=result.num_accepted,
             hidden=hidden,
             errors=errors,
+            dead=dead,
         )
 
     def _kind_rules(self, kind: ProposalKind) -> KindRules:
@@ -415,6 +435,11 @@ class Engine:
         k per request on speculative steps (``None`` on plain steps).
         """
         errors = judged.errors
+        # A row the request's options left no token at ends it before that row's token.
+        cuts = [first_dead(paths, dead) for paths, dead in zip(judged.paths, judged.dead)]
+        for i, cut in enumerate(cuts):
+            if cut is not None:
+                judged.tokens[i] = judged.tokens[i][:cut]
         _isolate_no_distribution(reqs, judged.tokens, errors)
         self._record_logprobs(reqs, judged, errors)
         manager = self.target_kv.manager
@@ -425,6 +450,10 @@ class Engine:
                 kept_rows.append(0)
                 continue
             kept = _append(req, judged.tokens[i], i, errors)
+            if cuts[i] is not None and req.finish_reason is None and i not in errors:
+                req.finish_reason = FinishReason.NO_ALLOWED_TOKEN  # plain decoding ends here too
+            if req.params.logprobs is not None:
+                del req.logprobs[req.num_output :]  # tokens past a stop were judged, not kept
             # Committed KV: the input rows before the judged ones (a prefill's prompt) and the
             # judged rows whose tokens were kept (the last emitted token has no KV yet).
             rows = judged.prefix_rows[i] + min(kept, len(judged.paths[i]))
@@ -497,6 +526,14 @@ class Engine:
                 backend=self.backend,
             )
         )
+
+    @staticmethod
+    def _record_prompt_logprobs(reqs, logits: torch.Tensor, last, starts, q_lens) -> None:
+        """Prompt logprobs of the requests that asked, from their rows of ``logits``."""
+        for i, req in enumerate(reqs):
+            if wants_prompt_rows(req):
+                end = last[i] + 1
+                record_prompt_logprobs(req, logits[end - q_lens[i] : end], starts[i])
 
     def _record_logprobs(self, reqs: Sequence[Request], judged: _Judged, errors) -> None:
         """Logprobs of each kept token at the row it was judged at, for requests that ask."""
@@ -580,6 +617,7 @@ class _Judged:
     depths: list[int]  # per request: its deepest draft (a chain's: its length)
     hidden: torch.Tensor | None  # [num rows, hidden] in ``layout``'s row order
     errors: dict[int, BaseException]
+    dead: list[frozenset[int]]  # per request: judged rows its options left no token at
 
 
 def _check_ks(ks: object, caps: Sequence[int], max_k: int) -> tuple[int, ...]:

@@ -114,6 +114,10 @@ class ProposeContext:
     # generator was built with cuda_graphs=True and the proposer is a draft model.
     graphs: object | None = None
     prompt_lens: tuple[int, ...] = ()  # per sequence: the prompt's length within token_ids[i]
+    # Per sequence: its request options as a transform of draft logits, ``fn(extensions,
+    # logits [rows, width]) -> logits`` (extension = the drafts before each row), or None.
+    # Applying it keeps drafts inside the request's constraints; skipping it stays lossless.
+    logits_transforms: tuple[object | None, ...] = ()
 
     def sampling_tensors(self, device: torch.device | str | None = None) -> SamplingTensors:
         """``params`` as sampling tensors on ``device`` (default: ``self.device``): the step's
@@ -315,6 +319,14 @@ class KindRules(Protocol):
         starts: Sequence[int],  # per sequence: slot of its verify row 0
     ) -> VerifyRows:
         """Positions, masks and depths of each sequence's verify rows."""
+        ...
+
+    def row_histories(
+        self, drafts: Sequence[int], parents: Sequence[int] | None, n: int
+    ) -> list[list[int]]:
+        """One sequence's verify rows ``0 .. n``: the drafted tokens between its last emitted
+        token and each row (a chain's ``drafts[:j]``, a tree node's path from the root), the
+        history request options transform each row with."""
         ...
 
     def commit(

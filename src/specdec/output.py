@@ -26,6 +26,8 @@ class GenerationOutput:
     finish_reason: str
     metrics: SpecMetrics
     logprobs: list[TokenLogprob] | None = None
+    # The prompt tokens' log-probabilities (``SamplingParams.prompt_logprobs``; None first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def output_of(req: Request, codec: TextCodec) -> GenerationOutput:
@@ -37,4 +39,5 @@ def output_of(req: Request, codec: TextCodec) -> GenerationOutput:
         finish_reason=req.finish_reason.value if req.finish_reason else "unknown",
         metrics=req.metrics.snapshot(),
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        prompt_logprobs=None if req.prompt_logprobs is None else list(req.prompt_logprobs),
     )

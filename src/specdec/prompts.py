@@ -15,6 +15,8 @@ import torch
 
 from specdec.codec import TextCodec
 from specdec.config import SamplingParams
+from specdec.logits.masks import bad_word_sequences
+from specdec.logits.request_logits import RequestLogits
 from specdec.request import Request
 
 __all__ = [
@@ -134,9 +136,17 @@ class RequestMaker:
     def make(self, prompt: Prompt, params: SamplingParams, codec: TextCodec) -> Request:
         """The request of ``prompt`` (text or token ids, already normalised); ValueError
         naming what does not fit the model, the KV cache or the tokenizer."""
+        if params.n != 1:
+            # Samples sharing the prompt's KV pages need forked requests: not built yet, and
+            # silently returning one sample would break the request's contract.
+            raise ValueError(
+                f"params.n = {params.n} is not supported yet (allowed: 1); submit the prompt "
+                "n times with different seeds instead"
+            )
         ids = self._token_ids(prompt, codec)
         max_total = self._max_total(ids, params)
         self._check_stops(params, codec)
+        transform = self._transform(ids, params, codec) if params.transforms_logits else None
         return Request(
             seq_id=self.new_seq_id(),
             prompt_ids=ids,
@@ -147,6 +157,26 @@ class RequestMaker:
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=max_total,
             decode=(lambda out, ctx=ids: codec.decode_output(ctx, out)) if params.stop else None,
+            transform=transform,
+        )
+
+    def _transform(self, ids: list[int], params: SamplingParams, codec: TextCodec) -> RequestLogits:
+        """The request's logits options, checked against the vocabulary and the tokenizer; a
+        grammar is compiled here (cached per tokenizer), so a bad one fails before any work."""
+        if params.bad_words and codec.tokenizer is None:
+            raise ValueError("params.bad_words needs a tokenizer (this generator has none)")
+        bad_words = bad_word_sequences(params.bad_words, codec.encode_plain)
+        grammar = None
+        if params.structured_output is not None:
+            compiler = codec.grammar_compiler(self.vocab_size, sorted(self.eos_token_ids))
+            grammar = compiler.new_state(params.structured_output)
+        return RequestLogits.build(
+            params,
+            prompt_ids=ids,
+            vocab_size=self.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids),
+            bad_words=bad_words,
+            grammar=grammar,
         )
 
     def _token_ids(self, prompt: Prompt, codec: TextCodec) -> list[int]:

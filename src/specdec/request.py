@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from specdec.config import SamplingParams
+from specdec.logits.request_logits import RequestLogits
 from specdec.metrics import SpecMetrics
 from specdec.noise import SeededNoise
 from specdec.types import RequestEnd
@@ -39,6 +40,9 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     CANCELLED = "cancelled"
     ERROR = "error"
+    # Every token was masked at the next position (a finished or dead-ended grammar, or
+    # allowed_token_ids / bad_words / min_tokens leaving nothing): plain decoding stops too.
+    NO_ALLOWED_TOKEN = "no_allowed_token"
 
     @property
     def request_end(self) -> RequestEnd:
@@ -49,6 +53,7 @@ class FinishReason(enum.Enum):
 _REQUEST_END = {  # a data table: every FinishReason ends a request one way
     FinishReason.LENGTH: RequestEnd.FINISHED,
     FinishReason.STOP: RequestEnd.FINISHED,
+    FinishReason.NO_ALLOWED_TOKEN: RequestEnd.FINISHED,
     FinishReason.CANCELLED: RequestEnd.CANCELLED,
     FinishReason.ERROR: RequestEnd.FAILED,
 }
@@ -86,6 +91,9 @@ class Request:
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # context limit: generation stops with LENGTH at this many tokens
     decode: Callable[[Sequence[int]], str] | None = None  # for stop strings
+    # The options that transform the logits with the history (penalties, bias, bans, grammar):
+    # applied to every verify row with that row's own history; None when the params have none.
+    transform: RequestLogits | None = None
     token_ids: list[int] = attrs.field(init=False)
     num_computed: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -93,6 +101,8 @@ class Request:
     error: BaseException | None = None
     stop_text_len: int | None = None  # output text is cut here when a stop string matched
     logprobs: list[TokenLogprob] = attrs.field(factory=list)
+    # One entry per prompt token (None for the first) once the prefill ran, if asked for.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
     arrival: int = 0
     _checked_text_len: int = 0

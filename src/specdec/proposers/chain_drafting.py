@@ -74,6 +74,7 @@ def draft_chain(
     sampling: SamplingTensors | None,  # one row per drafted row (needed unless greedy)
     generators: Sequence[object],  # one per row: draft step j draws from shift_rows(., j)
     confidence_threshold: float = 0.0,
+    transforms: Sequence[object | None] = (),  # per row: ProposeContext.logits_transforms
 ) -> DraftedChain:
     """Draft up to ``k`` tokens per row with ``next_logits`` (the module docstring).
 
@@ -89,6 +90,8 @@ def draft_chain(
     tokens: torch.Tensor | None = None  # [rows] the last step's drafts, kept on the device
     for step in range(k):
         logits, columns = next_logits(step, tokens)  # [rows, columns]
+        if any(t is not None for t in transforms):
+            logits = _transformed(logits, columns, transforms, drafted)
         if greedy:
             picked = logits.argmax(dim=-1)  # [rows] column indices
             tokens = picked if columns is None else columns[picked]
@@ -109,3 +112,26 @@ def draft_chain(
         num_draft_tokens=tuple(num_draft),
         probs=torch.stack(probs, dim=1) if probs else None,
     )
+
+
+def _transformed(
+    logits: torch.Tensor,  # [rows, columns] draft logits of one step
+    columns: torch.Tensor | None,  # [columns] token id of each column; None: the vocabulary
+    transforms: Sequence[object | None],
+    drafted: list[torch.Tensor],  # steps so far x [rows] int64
+) -> torch.Tensor:  # [rows, columns]
+    """The rows with request options, transformed with their drafts so far as the history
+    (one host read of the drafts per step, only for requests with options)."""
+    out = logits.to(torch.promote_types(logits.dtype, torch.float32)).clone()
+    history = torch.stack(drafted, dim=1).tolist() if drafted else [[] for _ in transforms]
+    for i, transform in enumerate(transforms):
+        if transform is None:
+            continue
+        if columns is None:
+            out[i] = transform([history[i]], out[i : i + 1])[0]
+            continue
+        # A draft vocabulary: its columns placed at their token ids, every other id masked.
+        full = torch.full((1, int(columns.max()) + 1), -torch.inf, dtype=out.dtype, device=out.device)
+        full[0, columns] = out[i]
+        out[i] = transform([history[i]], full)[0, columns]
+    return out

@@ -149,6 +149,7 @@ class DraftModel:
             next_logits, ctx.num_speculative_tokens, greedy=greedy,
             sampling=None if greedy else ctx.sampling_tensors(device), generators=ctx.generators,
             confidence_threshold=self.config.confidence_threshold,
+            transforms=ctx.logits_transforms,
         )  # fmt: skip
         steps = chain.token_ids.shape[1]
         for seq_id, slot in zip(ctx.seq_ids, after_first):

@@ -196,6 +196,7 @@ class MTPHead(HeadProposer):
             sampling=None if greedy else ctx.sampling_tensors(head.device).select_rows(live),
             generators=[ctx.generators[i] for i in live],
             confidence_threshold=self.config.confidence_threshold,
+            transforms=[ctx.logits_transforms[i] for i in live] if ctx.logits_transforms else (),
         )  # fmt: skip
 
 

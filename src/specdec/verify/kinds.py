@@ -64,6 +64,10 @@ class ChainKind:
         """Causal rows at the slots' own positions; a chain's depth is its length."""
         return VerifyRows(positions=None, tree_masks=None, depths=list(num_draft))
 
+    def row_histories(self, drafts: Sequence[int], parents: None, n: int) -> list[list[int]]:
+        """Row ``j`` follows drafts ``0 .. j - 1``."""
+        return [list(drafts[:j]) for j in range(n + 1)]
+
     def commit(self, manager: KVCacheManager, layout: BatchLayout, starts, paths, hidden):
         """Nothing moves: the kept rows are each sequence's first rows already."""
         return layout.token_ids, hidden
@@ -108,6 +112,16 @@ class TreeKind:
         positions, masks = tree_rows(parents, num_draft, starts)
         depths = [max(tree_depths(p, n)) for p, n in zip(parents, num_draft)]
         return VerifyRows(positions=positions, tree_masks=masks, depths=depths)
+
+    def row_histories(
+        self, drafts: Sequence[int], parents: Sequence[int], n: int
+    ) -> list[list[int]]:
+        """Row 0 follows the root; row ``j + 1`` follows node ``j``'s path (root excluded)."""
+        paths: list[list[int]] = []
+        for j in range(n):
+            parent = parents[j]
+            paths.append((paths[parent] if parent >= 0 else []) + [drafts[j]])
+        return [[], *paths]
 
     def commit(self, manager: KVCacheManager, layout: BatchLayout, starts, paths, hidden):
         """Compact each kept path into place (every KV pool), and gather the input ids and
