@@ -39,6 +39,16 @@ def _seeded(n: int) -> list[SamplingParams]:
     ]
 
 
+def _with_options(n: int) -> list[SamplingParams]:
+    """Options that transform logits with the history, greedy and seeded (picklable: no user
+    processors, which the rank processes could not receive)."""
+    options = dict(repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3, logit_bias={5: 2.0})
+    return [
+        SamplingParams(max_new_tokens=24, ignore_eos=True, **options, **({} if i % 2 else dict(temperature=0.9, seed=7 + i)))
+        for i in range(n)
+    ]
+
+
 def _perturbed_checkpoint(kind_or_path, directory, dtype, scale=0.3):
     """A draft checkpoint: the target's weights plus noise (it agrees often, not always)."""
     from transformers import AutoModelForCausalLM
@@ -88,6 +98,8 @@ def _cases(target_path, tmp, dtype, prompts):
         ("eagle-preempted", ("eagle", str(eagle), None), None, tight),
         ("plain-seeded", None, _seeded(len(prompts)), None),
         ("draft-seeded", ("draft", str(draft), dtype, 3), _seeded(len(prompts)), None),
+        ("plain-options", None, _with_options(len(prompts)), None),
+        ("eagle-options", ("eagle", str(eagle), None), _with_options(len(prompts)), None),
     ]
 
 
@@ -108,6 +120,8 @@ def _check_suite(path, dtype, tmp, prompts):
         assert stats["num_free_pages"] == stats["num_total_pages"] and stats["num_sequences"] == 0
         assert (preemptions > 0) == (cache is not None), (name, preemptions)
     assert got["plain-seeded"][0] != plain  # sampling really sampled
+    # Request options under tensor parallelism: speculation changes nothing, and they act.
+    assert got["eagle-options"][0] == got["plain-options"][0] != plain
     return elapsed
 
 

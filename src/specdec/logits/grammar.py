@@ -442,7 +442,9 @@ class GrammarState:
                     del path[shared:]
                 for t in ext[shared:]:
                     t = int(t)
-                    if not m.accept_token(t):
+                    # A terminated matcher (EOS accepted) takes nothing more; asking it would
+                    # only make xgrammar print a warning.
+                    if m.is_terminated() or not m.accept_token(t):
                         break  # left the grammar: the row stays all zero bits
                     path.append(t)
                 if len(path) == len(ext) and not m.is_terminated():
