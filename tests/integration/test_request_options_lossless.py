@@ -35,7 +35,7 @@ from specdec.proposers import DraftModel, EAGLETree, MTPHead, PromptLookup
 
 F64 = torch.float64
 BATCH = 1024
-NUM_BATCHES = 3
+NUM_BATCHES = 2
 K = 3
 POSITIONS = K + 2
 EOS = 0
@@ -242,7 +242,7 @@ def test_an_option_keeps_the_target_distribution(models, option, proposer, pages
     result, gen = pvalues(models, option, proposer, pages=pages, seeded=seeded)
     assert min(result.values()) > ALPHA, result
     m = gen.metrics
-    assert m.num_accepted > 300, (m.num_accepted, m.num_drafted)  # drafts were judged and kept
+    assert m.num_accepted > 100 * NUM_BATCHES, (m.num_accepted, m.num_drafted)  # drafts were kept
 
 
 def _only_first_row(real):
