@@ -527,6 +527,8 @@ def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _
     from specdec import Generator
 
     params = _sampling_params(args)  # validated before any model is loaded
+    if args.stream and params.n > 1:
+        raise ValueError(f"--stream streams one sample per prompt; got --n {params.n} (drop --stream)")
     context = BuildContext(target=args.target, device=args.device, dtype=args.dtype, quantization=args.quantization)
     entry, options = selection
     proposer = None if entry is None else registry.build(entry.name, options, context, parsed=True)
@@ -547,7 +549,9 @@ def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _
     else:
         outs = gen.generate(list(args.prompt), params)
         for prompt, out in zip(args.prompt, outs):
-            print(f"--- {prompt!r}\n{out.text}\n")
+            for i, sample in enumerate(out if isinstance(out, list) else [out]):
+                label = f" (sample {i + 1} of {params.n})" if params.n > 1 else ""
+                print(f"--- {prompt!r}{label}\n{sample.text}\n")
     elapsed = time.perf_counter() - start
     m = gen.metrics
     summary = f"{m.num_generated_tokens} tokens in {elapsed:.2f}s, {m.num_generated_tokens / elapsed:.1f} tok/s"

@@ -38,6 +38,7 @@ from specdec.prompts import (
     check_params,
     normalize_prompts,
     params_per_prompt,
+    sample_params,
     single_prompt,
 )
 from specdec.request import Request
@@ -232,7 +233,9 @@ class Generator:
         """Generate for one prompt (text or token ids) or a list of them (list in, list out).
 
         ``params`` is one SamplingParams for all prompts or a list with one per prompt, so
-        greedy and sampled requests can share a batch.
+        greedy and sampled requests can share a batch. A prompt whose params have ``n > 1``
+        gives the list of its ``n`` samples in its place (sample 0 is the ``n = 1`` output;
+        each sample is a request of its own, its prompt prefilled on its own for now).
 
         Runs through the same engine as :meth:`submit` (requests submitted elsewhere advance
         too). If a request fails (see ``Engine.step``), the others still run to completion,
@@ -253,10 +256,13 @@ class Generator:
     def _generate(self, prompts, params) -> GenerationOutput | list[GenerationOutput]:
         single, prompt_list = normalize_prompts(prompts)
         per_prompt = params_per_prompt(params, len(prompt_list))
-        reqs = [self._request(p, sp) for p, sp in zip(prompt_list, per_prompt)]
+        samples = [sample_params(sp) for sp in per_prompt]  # n > 1: n requests of one prompt
+        reqs = [self._request(p, s) for p, ss in zip(prompt_list, samples) for s in ss]
         self._loop.run(reqs)
-        outs = [output_of(r, self._codec) for r in reqs]
-        return outs[0] if single else outs
+        outs = iter([output_of(r, self._codec) for r in reqs])
+        # A prompt with n > 1 gives the list of its n samples, else its one output.
+        grouped = [[next(outs) for _ in ss] if sp.n > 1 else next(outs) for sp, ss in zip(per_prompt, samples)]
+        return grouped[0] if single else grouped
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt's completion as tokens are emitted.

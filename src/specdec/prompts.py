@@ -17,6 +17,7 @@ from specdec.codec import TextCodec
 from specdec.config import SamplingParams
 from specdec.logits.masks import bad_word_sequences
 from specdec.logits.request_logits import RequestLogits
+from specdec.noise import row_key
 from specdec.request import Request
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "check_params",
     "normalize_prompts",
     "params_per_prompt",
+    "sample_params",
     "single_prompt",
 ]
 
@@ -117,6 +119,19 @@ def params_per_prompt(params: object, num_prompts: int) -> list[SamplingParams]:
     return [check_params(p) for p in params]
 
 
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The ``params.n`` samples of one prompt as ``n = 1`` params: sample 0 keeps the seed (so
+    its tokens are those of the same request with ``n = 1``), sample ``i`` gets a seed derived
+    from it (:func:`specdec.noise.row_key`); unseeded samples each draw from a stream of their
+    own."""
+    if params.n == 1:
+        return [params]
+    seeds = [params.seed] + [
+        None if params.seed is None else row_key(params.seed, -1 - i) for i in range(1, params.n)
+    ]
+    return [attrs.evolve(params, n=1, seed=seed) for seed in seeds]
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class RequestMaker:
     """Turns one prompt and its params into a checked :class:`Request` of one generator.
@@ -137,11 +152,11 @@ class RequestMaker:
         """The request of ``prompt`` (text or token ids, already normalised); ValueError
         naming what does not fit the model, the KV cache or the tokenizer."""
         if params.n != 1:
-            # Samples sharing the prompt's KV pages need forked requests: not built yet, and
-            # silently returning one sample would break the request's contract.
+            # One request is one sample: generate() splits n > 1 into n requests
+            # (sample_params); a handle streams one sample only.
             raise ValueError(
-                f"params.n = {params.n} is not supported yet (allowed: 1); submit the prompt "
-                "n times with different seeds instead"
+                f"params.n = {params.n}: submit() and stream() take n = 1 (one handle, one "
+                "sample); generate() returns the n samples of a prompt"
             )
         ids = self._token_ids(prompt, codec)
         max_total = self._max_total(ids, params)

@@ -12,6 +12,7 @@ a dead end finishes with ``no_allowed_token``; bad options fail before any work.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from helpers import ScriptedPolicy, perturbed, random_head
@@ -380,3 +381,21 @@ def test_bad_grammars_fail_before_any_work(stories, spec, match):
         gen.submit(PROMPTS[0], SamplingParams(structured_output=StructuredOutput(**spec)))
     assert not gen.scheduler.has_unfinished()
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+def test_n_samples_of_one_prompt(stories):
+    target, tok = stories
+    plain = Generator.from_components(target, tok)
+    spec = Generator.from_components(target, tok, proposer=_proposer(target, "draft"), policy=K)
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.0, seed=9, n=3, repetition_penalty=1.2)
+    outs = plain.generate([PROMPTS[0], PROMPTS[1]], [seeded, SamplingParams(max_new_tokens=8)])
+    assert isinstance(outs[0], list) and len(outs[0]) == 3 and not isinstance(outs[1], list)
+    one = plain.generate(PROMPTS[0], attrs.evolve(seeded, n=1))
+    assert outs[0][0].token_ids == one.token_ids  # sample 0 is the n = 1 output
+    assert len({tuple(o.token_ids) for o in outs[0]}) == 3  # the samples differ
+    assert [o.token_ids for o in spec.generate(PROMPTS[0], seeded)] == [o.token_ids for o in outs[0]]
+    unseeded = plain.generate(PROMPTS[0], SamplingParams(max_new_tokens=16, temperature=1.0, n=4))
+    assert len(unseeded) == 4 and len({tuple(o.token_ids) for o in unseeded}) > 1
+    with pytest.raises(ValueError, match=r"params\.n = 3: submit\(\) and stream\(\) take n = 1"):
+        plain.submit(PROMPTS[0], seeded)
+    assert plain.kv_stats()["num_free_pages"] == plain.kv_stats()["num_total_pages"]
