@@ -358,9 +358,9 @@ class Engine:
             draft_probs = _isolate_non_finite(reqs, proposal.draft_probs, errors, "draft probabilities")
             if draft_probs is not proposal.draft_probs:
                 proposal = attrs.evolve(proposal, draft_probs=draft_probs)
-        histories = [
-            rules.row_histories(d, None if parents is None else parents[i], n)
-            for i, (d, n) in enumerate(zip(drafts, num_draft))
+        histories = [  # built only for requests with options (transform_rows skips the rest)
+            rules.row_histories(d, None if parents is None else parents[i], n) if r.transform else []
+            for i, (r, d, n) in enumerate(zip(reqs, drafts, num_draft))
         ]
         # Each row's distribution under the request's options, with that row's own history.
         target_logits, dead = transform_rows(reqs, target_logits, histories, errors)
