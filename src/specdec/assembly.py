@@ -22,11 +22,13 @@ from specdec.interfaces import (
     AttentionBackend,
     CapturesGraphs,
     Proposer,
+    SharesCachedPrefix,
     SpeculationPolicy,
     Verifier,
 )
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, ModelKV
+from specdec.kv.prefix_cache import PrefixCache
 from specdec.models.llama import LlamaModel
 from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.sampling import TorchSampler
@@ -116,13 +118,29 @@ def _kv_cache(
 ) -> tuple[KVCacheManager, ModelKV, ModelKV | None]:
     """The page allocator with the target's pool and the proposer's (if it declares one)."""
     manager = JournaledKVCacheManager if isinstance(target, TensorParallelLlama) else KVCacheManager
-    kv = manager(PageAllocator(num_pages), cache_config.page_size)
-    target_kv = kv.add_pool(target.kv_spec("target"), target.device)
     specs = proposer.kv_specs() if proposer is not None else []
     if len(specs) > 1:
         raise ValueError("a proposer may declare at most one KV pool")
+    cache = _prefix_cache(proposer if specs else None, cache_config)
+    kv = manager(PageAllocator(num_pages), cache_config.page_size, prefix_cache=cache)
+    target_kv = kv.add_pool(target.kv_spec("target"), target.device)
     proposer_kv = kv.add_pool(specs[0], target.device) if specs else None
     return kv, target_kv, proposer_kv
+
+
+def _prefix_cache(pool_owner: Proposer | None, cache_config: CacheConfig) -> PrefixCache | None:
+    """The prefix cache, unless switched off or a proposer's pool could not share it.
+
+    ``pool_owner``: the proposer when it has a KV pool. Its KV of a cached page must be final
+    too, which only a :class:`~specdec.interfaces.SharesCachedPrefix` proposer reports.
+    """
+    if not cache_config.prefix_caching:
+        return None
+    if pool_owner is None:
+        return PrefixCache(cache_config.page_size)
+    if not isinstance(pool_owner, SharesCachedPrefix):
+        return None  # a plug-in's pool of unknown validity: no sharing rather than wrong KV
+    return PrefixCache(cache_config.page_size, lookahead=pool_owner.kv_lookahead)
 
 
 def _pass_graphs(

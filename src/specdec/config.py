@@ -274,6 +274,11 @@ def _optional_str(instance: object, attribute: attrs.Attribute, value: object) -
         raise ValueError(f"structured_output.{attribute.name} must be a non-empty string, got {value!r}")
 
 
+def _salt(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"cache_salt must be None or a non-empty string, got {value!r}")
+
+
 def _choices(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is None:
         return
@@ -397,6 +402,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = attrs.field(default=None, validator=_structured)
     n: int = attrs.field(default=1, validator=positive_int)
     prompt_logprobs: int | None = attrs.field(default=None, validator=optional(non_negative_int))
+    # Requests share cached KV pages only with requests of the same salt (vLLM's field): shared
+    # pages make a prefix's prefill time visible to others, a side channel between users.
+    cache_salt: str | None = attrs.field(default=None, validator=_salt)
 
     def __attrs_post_init__(self) -> None:
         if self.min_tokens > self.max_new_tokens:
@@ -440,10 +448,14 @@ class CacheConfig:
 
     ``num_pages`` pages of ``page_size`` token slots each; every model (target, draft, heads)
     has its own page-pool tensors indexed by the same page ids. ``None`` sizes the pool to hold
-    ``max_batch_size`` sequences of the target's full context.
+    ``max_batch_size`` sequences of the target's full context. ``prefix_caching`` keeps the
+    full pages of finished prefixes for later requests with the same prefix (and salt).
     """
 
     page_size: int = attrs.field(default=16, validator=positive_int)
     num_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
     max_batch_size: int = attrs.field(default=8, validator=positive_int)
     max_num_tokens: int | None = attrs.field(default=None, validator=optional(positive_int))
+    # Automatic prefix caching (specdec.kv.prefix_cache): requests sharing a prompt prefix
+    # share its full KV pages instead of recomputing them.
+    prefix_caching: bool = attrs.field(default=True, validator=boolean)

@@ -29,6 +29,7 @@ from specdec.interfaces import (
     Proposer,
     Sampler,
     Scheduler,
+    SharesCachedPrefix,
     SpeculationContext,
     SpeculationPolicy,
     TargetStep,
@@ -93,6 +94,11 @@ class Engine:
         # The proposer's optional per-request hooks, and the requests it was told started
         # (each start gets exactly one end).
         self._tracker = proposer if isinstance(proposer, TracksRequests) else None
+        # A proposer with a KV pool that follows cached prefixes (the KV manager has a prefix
+        # cache only when every pool can: see assembly).
+        self._prefix_pool = (
+            proposer if proposer_kv is not None and isinstance(proposer, SharesCachedPrefix) else None
+        )
         self._started: set[int] = set()
         self.proposer_kv = proposer_kv
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
@@ -475,6 +481,7 @@ class Engine:
             manager.truncate(req.seq_id, min(len(req.token_ids), manager.capacity(req.seq_id)))
         self.metrics.num_target_forwards += 1
         self._tell_proposer(reqs, judged, kept_rows, skip=errors)
+        self._cache_prefixes(reqs, errors)
         self._finish_step(reqs, errors)
         return StepOutput(
             seq_ids=tuple(r.seq_id for r in reqs),
@@ -569,8 +576,26 @@ class Engine:
         self.scheduler.finish(req, reason)
         self._release_proposer(req, reason.request_end)
 
+    def _cache_prefixes(self, reqs: Sequence[Request], skip) -> None:
+        """Key every page whose KV became final in every pool this step (prefix caching)."""
+        manager = self.target_kv.manager
+        if manager.prefix_cache is None:
+            return
+        for i, req in enumerate(reqs):
+            if i in skip:
+                continue
+            valid = req.num_computed
+            if self._prefix_pool is not None:
+                valid = min(valid, self._prefix_pool.kv_valid_slots(req.seq_id, valid))
+            manager.cache_prefix(req.seq_id, req.token_ids, valid, req.params.cache_salt)
+
     def _start_requests(self, reqs: Sequence[Request]) -> None:
-        """Tell a proposer that tracks requests about the ones admitted this step."""
+        """Tell the proposer about the requests admitted this step: where a cached prefix
+        starts them, and (a proposer that tracks requests) that they started."""
+        if self._prefix_pool is not None:
+            for req in reqs:
+                if req.num_computed > 0:
+                    self._prefix_pool.adopt_prefix(req.seq_id, req.num_computed)
         if self._tracker is None:
             return
         for req in reqs:

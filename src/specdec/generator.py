@@ -235,7 +235,8 @@ class Generator:
         ``params`` is one SamplingParams for all prompts or a list with one per prompt, so
         greedy and sampled requests can share a batch. A prompt whose params have ``n > 1``
         gives the list of its ``n`` samples in its place (sample 0 is the ``n = 1`` output;
-        each sample is a request of its own, its prompt prefilled on its own for now).
+        each sample is a request of its own; with prefix caching the others are admitted after
+        sample 0's prefill and start on its cached prompt pages).
 
         Runs through the same engine as :meth:`submit` (requests submitted elsewhere advance
         too). If a request fails (see ``Engine.step``), the others still run to completion,
@@ -257,7 +258,12 @@ class Generator:
         single, prompt_list = normalize_prompts(prompts)
         per_prompt = params_per_prompt(params, len(prompt_list))
         samples = [sample_params(sp) for sp in per_prompt]  # n > 1: n requests of one prompt
-        reqs = [self._request(p, s) for p, ss in zip(prompt_list, samples) for s in ss]
+        reqs = []
+        for prompt, ss in zip(prompt_list, samples):
+            group = [self._request(prompt, s) for s in ss]
+            for sample in group[1:]:  # after sample 0's prefill: its pages are cached then
+                sample.after_prefill_of = group[0]
+            reqs.extend(group)
         self._loop.run(reqs)
         outs = iter([output_of(r, self._codec) for r in reqs])
         # A prompt with n > 1 gives the list of its n samples, else its one output.

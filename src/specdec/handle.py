@@ -13,6 +13,7 @@ on a step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 from specdec.codec import TextCodec
@@ -31,8 +32,10 @@ class RequestHandle:
     ends when the request ends and raises the request's error if it failed; a cancelled
     request just ends. ``result()`` steps until the request is done and returns its
     :class:`GenerationOutput` (``finish_reason == "cancelled"`` after a cancel, the partial
-    output kept) or raises the exception that failed it. Abandoning an iterator does not
-    cancel the request: call ``cancel()``.
+    output kept) or raises the exception that failed it. Abandoning an iterator before the
+    request ends cancels it (a ``break``, ``close()``/``aclose()``, an exception in the loop,
+    cancelling the task that iterates): a consumer that stops listening frees its pages
+    within one step, as a disconnecting client must.
 
     Example:
         >>> h = gen.submit([1, 2, 3], SamplingParams(max_new_tokens=8))
@@ -92,38 +95,48 @@ class RequestHandle:
     def _views(self) -> Iterator[RequestView]:
         """The request's progress after each step that moved it (first: as it is now); raises
         its error once it has ended, if it failed."""
-        view = self._loop.progress(self._req, None)
-        while True:
-            yield view
-            if view.finished:
-                break
-            view = self._loop.progress(self._req, view.steps)
+        try:
+            view = self._loop.progress(self._req, None)
+            while True:
+                yield view
+                if view.finished:
+                    break
+                view = self._loop.progress(self._req, view.steps)
+        finally:  # abandoned before the end: nobody wants the rest
+            if not self._req.finished:
+                self._loop.cancel(self._req)
         raise_if_failed([self._req])
 
     async def _views_async(self) -> AsyncIterator[RequestView]:
         """:meth:`_views` for asyncio: each wait for a step runs on a worker thread."""
-        view = await asyncio.to_thread(self._loop.progress, self._req, None)
-        while True:
-            yield view
-            if view.finished:
-                break
-            view = await asyncio.to_thread(self._loop.progress, self._req, view.steps)
+        try:
+            view = await asyncio.to_thread(self._loop.progress, self._req, None)
+            while True:
+                yield view
+                if view.finished:
+                    break
+                view = await asyncio.to_thread(self._loop.progress, self._req, view.steps)
+        finally:  # abandoned (break, aclose, task cancelled): cancel without blocking the loop
+            if not self._req.finished:
+                self._loop.cancel_soon(self._req)
         raise_if_failed([self._req])
 
     def tokens(self) -> Iterator[list[int]]:
         """Yield each step's newly emitted token ids (``[int]``, non-empty) until done."""
         sent = 0
-        for view in self._views():
-            if len(view.output_ids) > sent:
-                yield list(view.output_ids[sent:])
-                sent = len(view.output_ids)
+        with contextlib.closing(self._views()) as views:
+            for view in views:
+                if len(view.output_ids) > sent:
+                    yield list(view.output_ids[sent:])
+                    sent = len(view.output_ids)
 
     def __iter__(self) -> Iterator[str]:
         """Yield text deltas (needs a tokenizer; a delta never ends inside a character)."""
         deltas = _TextDeltas(self._codec, self._req)
-        for view in self._views():
-            if delta := deltas.pull(view):
-                yield delta
+        with contextlib.closing(self._views()) as views:
+            for view in views:
+                if delta := deltas.pull(view):
+                    yield delta
 
     async def tokens_async(self) -> AsyncIterator[list[int]]:
         """The asyncio form of :meth:`tokens`: ``async for chunk in handle.tokens_async()``.
@@ -133,17 +146,19 @@ class RequestHandle:
         per round.
         """
         sent = 0
-        async for view in self._views_async():
-            if len(view.output_ids) > sent:
-                yield list(view.output_ids[sent:])
-                sent = len(view.output_ids)
+        async with contextlib.aclosing(self._views_async()) as views:
+            async for view in views:
+                if len(view.output_ids) > sent:
+                    yield list(view.output_ids[sent:])
+                    sent = len(view.output_ids)
 
     async def stream_async(self) -> AsyncIterator[str]:
         """The asyncio form of iterating the handle: text deltas."""
         deltas = _TextDeltas(self._codec, self._req)
-        async for view in self._views_async():
-            if delta := deltas.pull(view):
-                yield delta
+        async with contextlib.aclosing(self._views_async()) as views:
+            async for view in views:
+                if delta := deltas.pull(view):
+                    yield delta
 
 
 class _TextDeltas:

@@ -245,6 +245,35 @@ class TracksRequests(Protocol):
 
 
 @runtime_checkable
+class SharesCachedPrefix(Protocol):
+    """A proposer capability, needed for prefix caching by proposers with a KV pool (draft
+    models, MTP and EAGLE heads): every pool's KV of a cached page must be final, and a request
+    that starts on cached pages starts there in every pool.
+
+    A generator whose proposer has a KV pool but not this capability runs without a prefix
+    cache. Model-free proposers (prompt lookup) need nothing.
+
+    Example:
+        >>> class MyDraft:
+        ...     kv_lookahead = 0                   # KV at slot p depends on tokens <= p only
+        ...     def kv_valid_slots(self, seq_id, num_computed): return self.done.get(seq_id, 0)
+        ...     def adopt_prefix(self, seq_id, num_slots): self.done[seq_id] = num_slots
+    """
+
+    kv_lookahead: int  # tokens after slot p that this proposer's KV at p depends on (heads: 1)
+
+    def kv_valid_slots(self, seq_id: int, num_computed: int) -> int:
+        """Slots ``0 .. n - 1`` of ``seq_id`` whose KV in this proposer's pool is final (the
+        target's KV holds ``num_computed``), after the step's ``on_target_step``."""
+        ...
+
+    def adopt_prefix(self, seq_id: int, num_slots: int) -> None:
+        """``seq_id`` starts with ``num_slots`` slots of cached KV in every pool (called at its
+        admission, before its prefill; not called when nothing was cached)."""
+        ...
+
+
+@runtime_checkable
 class Verifier(Protocol):
     """Decides, per sequence, the longest draft prefix the target's distribution allows."""
 

@@ -105,6 +105,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     metrics: SpecMetrics = attrs.field(factory=SpecMetrics)
     arrival: int = 0
+    # Another sample of the same prompt (n > 1): this one is admitted only after that one's
+    # prefill, so it starts on the prompt's cached pages instead of computing them again.
+    after_prefill_of: Request | None = None
     _checked_text_len: int = 0
 
     def __attrs_post_init__(self) -> None:

@@ -2,6 +2,8 @@
 
 Each step the scheduler keeps every running request in the batch, admits waiting requests
 (FIFO) while pages and the batch size allow, and reserves the KV slots the step will write.
+An admitted request starts on the cached pages of its prompt's longest cached prefix (when the
+KV manager has a prefix cache): its prefill computes only the rest.
 A step that admits new requests is *mixed* (ordinary sampling for all); otherwise it is
 decode-only and may speculate ``lookahead`` tokens. When pages run out for running requests,
 the newest is preempted: its pages are freed and it waits at the head of the queue, keeping its
@@ -38,6 +40,12 @@ class ScheduledBatch:
     @property
     def empty(self) -> bool:
         return not self.requests
+
+
+def _waits_for_prefill(req: Request, admitted: list[Request]) -> bool:
+    """Whether ``req`` waits for another sample's prefill (its cached pages are keyed by then)."""
+    leader = req.after_prefill_of
+    return leader is not None and (leader.status is RequestStatus.WAITING or leader in admitted)
 
 
 class BatchScheduler:
@@ -112,10 +120,13 @@ class BatchScheduler:
             need = len(req.token_ids)
             if admitted and need > budget:
                 break
-            self.kv.add_sequence(req.seq_id)
-            if self.kv.pages_needed(req.seq_id, need) + headroom > self.kv.allocator.num_free_pages:
-                self.kv.free(req.seq_id)
+            if _waits_for_prefill(req, admitted):
                 break
+            # Checked as if nothing were cached: attaching cached pages only lowers the need.
+            if self.kv.pages_for(need) + headroom > self.kv.allocator.num_free_pages:
+                break
+            self.kv.add_sequence(req.seq_id)
+            req.num_computed = self._attach_prefix(req)
             self.kv.reserve(req.seq_id, need)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -124,6 +135,15 @@ class BatchScheduler:
             budget -= need
             headroom += 1
         return admitted
+
+    def _attach_prefix(self, req: Request) -> int:
+        """Start ``req`` on the cached pages of its longest cached prefix; the slots they hold.
+
+        Prompt logprobs need every prompt row's logits, so those requests compute them all.
+        """
+        if req.params.prompt_logprobs is not None:
+            return 0
+        return self.kv.attach_prefix(req.seq_id, req.token_ids, req.params.cache_salt)
 
     def _preempt(self, req: Request) -> None:
         self.num_preemptions += 1

@@ -35,6 +35,7 @@ class StepLoop:
         self.scheduler = scheduler
         self.lock = threading.RLock()
         self._inbox: deque[Request] = deque()
+        self._cancels: deque[Request] = deque()  # cancel_soon's, applied before the next step
         self._ids_lock = threading.Lock()
         self._next_seq_id = 0
         self._num_steps = 0
@@ -64,6 +65,7 @@ class StepLoop:
         """One engine step over every submitted request (waits for a step in progress)."""
         with self.lock:
             self._drain_inbox()
+            self._drain_cancels()
             out = self.engine.step()
             self._num_steps += 1
             return out
@@ -112,6 +114,18 @@ class StepLoop:
             self.engine.cancel(req)
             return True
 
+    def cancel_soon(self, req: Request) -> None:
+        """Cancel ``req`` without waiting for a step in progress (an event loop must not block):
+        at once when no step runs, else before the next step begins. Its pages are free within
+        one step either way."""
+        self._cancels.append(req)
+        if self.lock.acquire(blocking=False):
+            try:
+                self._drain_inbox()
+                self._drain_cancels()
+            finally:
+                self.lock.release()
+
     def cancel_id(self, request_id: int) -> bool:
         """Cancel the request with this id: ``True`` if it was waiting or running, ``False``
         if it had already ended; KeyError if no request of this loop has this id."""
@@ -123,6 +137,13 @@ class StepLoop:
         if 0 <= request_id < self._next_seq_id:
             return False
         raise KeyError(f"request_id {request_id} is not a request of this generator")
+
+    def _drain_cancels(self) -> None:
+        """Apply the cancels :meth:`cancel_soon` queued (call under the lock)."""
+        while self._cancels:
+            req = self._cancels.popleft()
+            if not req.finished:
+                self.engine.cancel(req)
 
     def _drain_inbox(self) -> None:
         """Queue the submitted requests in arrival order (call under the lock)."""

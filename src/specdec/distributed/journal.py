@@ -1,6 +1,7 @@
 """The leader's page-table operations, recorded so the other ranks replay them.
 
-Under tensor parallelism one allocator, the leader's, decides every page. The other ranks keep
+Under tensor parallelism one allocator, the leader's, decides every page (and which pages the
+prefix cache keeps). The other ranks keep
 their own :class:`~specdec.kv.paged.KVCacheManager` over a pool of their KV heads and replay the
 leader's operations in order, so their page tables equal the leader's (checked on every
 forward), tree compaction moves their KV too, and at the end their pages are free as well.
@@ -24,6 +25,8 @@ class PageOp(enum.IntEnum):
     ENSURE_WRITABLE = 5  # seq_id, start_slot
     COMPACT = 6  # seq_id, dst_start, src_slots...
     FREE = 7  # seq_id
+    SHARE_PAGES = 8  # seq_id, pages... (a prefix-cache hit)
+    KEY_PAGES = 9  # pages... (given a content key: kept when freed, until evicted)
 
 
 class JournaledKVCacheManager(KVCacheManager):
@@ -31,8 +34,8 @@ class JournaledKVCacheManager(KVCacheManager):
     ``journal`` as ``[op, num_args, args...]`` words (a failed one changes nothing and is not
     recorded)."""
 
-    def __init__(self, allocator, page_size: int) -> None:
-        super().__init__(allocator, page_size)
+    def __init__(self, allocator, page_size: int, *, prefix_cache=None) -> None:
+        super().__init__(allocator, page_size, prefix_cache=prefix_cache)
         self.journal: list[int] = []
 
     def take_journal(self) -> list[int]:
@@ -78,6 +81,18 @@ class JournaledKVCacheManager(KVCacheManager):
         super().free(seq_id)
         self._record(PageOp.FREE, seq_id)
 
+    def share_pages(self, seq_id: int, pages: Sequence[int]) -> None:
+        pages = list(pages)
+        super().share_pages(seq_id, pages)
+        if pages:
+            self._record(PageOp.SHARE_PAGES, seq_id, *pages)
+
+    def cache_prefix(self, seq_id, token_ids, num_valid_slots, salt=None) -> list[int]:
+        keyed = super().cache_prefix(seq_id, token_ids, num_valid_slots, salt)
+        if keyed:
+            self._record(PageOp.KEY_PAGES, *keyed)
+        return keyed
+
 
 def replay(manager: KVCacheManager, words: Sequence[int]) -> None:
     """Apply a journal's ``[op, num_args, args...]`` words to ``manager``, in order."""
@@ -98,5 +113,12 @@ def replay(manager: KVCacheManager, words: Sequence[int]) -> None:
             manager.ensure_writable(*args)
         elif op is PageOp.COMPACT:
             manager.compact(args[0], args[2:], args[1])
+        elif op is PageOp.SHARE_PAGES:
+            manager.share_pages(args[0], args[1:])
+        elif op is PageOp.KEY_PAGES:
+            # The leader keyed these pages; a follower only needs them kept and evicted in the
+            # same order, so any key unique to the page will do.
+            for page in args:
+                manager.allocator.set_key(page, b"page:%d" % page)
         else:
             manager.free(*args)

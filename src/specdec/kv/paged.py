@@ -12,7 +12,11 @@ offset of its own pool::
     page    5       | 2       | 9        flat slot of slot 6 = 2 * 4 + 2 = 10
 
 Pages shared by :meth:`KVCacheManager.fork` are read-only until
-:meth:`KVCacheManager.ensure_writable` gives the writer its own copy (copy on write).
+:meth:`KVCacheManager.ensure_writable` gives the writer its own copy (copy on write). With a
+:class:`~specdec.kv.prefix_cache.PrefixCache`, :meth:`KVCacheManager.attach_prefix` starts a
+sequence on the cached pages of its prompt's longest cached prefix and
+:meth:`KVCacheManager.cache_prefix` keys a sequence's pages once their KV is final; keyed pages
+are read-only too.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from specdec.config import positive_int
 from specdec.kv.allocator import PageAllocator, require_int
+from specdec.kv.prefix_cache import PrefixCache
 from specdec.types import BatchLayout, LayoutHost
 
 __all__ = ["KVSpec", "PagePool", "KVCacheManager", "ModelKV"]
@@ -170,11 +175,18 @@ class KVCacheManager:
         >>> layout = kv.build_layout([0], [[1, 2, 3]], [0])   # prefill three tokens
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(
+        self, allocator: PageAllocator, page_size: int, *, prefix_cache: PrefixCache | None = None
+    ) -> None:
         if not isinstance(allocator, PageAllocator):
             raise TypeError(f"allocator must be a PageAllocator, got {type(allocator).__name__}")
         self.allocator = allocator
         self.page_size = require_int("page_size", page_size, minimum=1)
+        if prefix_cache is not None and prefix_cache.page_size != self.page_size:
+            raise ValueError(
+                f"prefix_cache.page_size ({prefix_cache.page_size}) must equal page_size ({page_size})"
+            )
+        self.prefix_cache = prefix_cache  # None: every prefill computes its whole prompt
         self._pools: dict[str, PagePool] = {}
         self._tables: dict[int, list[int]] = {}
 
@@ -272,6 +284,42 @@ class KVCacheManager:
             self.allocator.free(table[keep:])
             del table[keep:]
 
+    # ---- prefix caching ---------------------------------------------------------------------
+
+    def attach_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+        """Start the empty sequence ``seq_id`` on the cached pages of ``token_ids``' longest
+        cached prefix (shared, read-only); returns the slots they cover (0 without a cache).
+
+        The sequence's prefill then starts at that slot. At least one token is left uncached.
+        """
+        table = self._table(seq_id)
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        if table:
+            raise ValueError(f"sequence {seq_id} already holds pages; attach_prefix starts empty ones")
+        pages, key = cache.match(self.allocator, token_ids, salt)
+        self.share_pages(seq_id, pages)
+        cache.start(seq_id, len(pages), key)
+        return len(pages) * self.page_size
+
+    def share_pages(self, seq_id: int, pages: Sequence[int]) -> None:
+        """Append ``pages`` (held or cached) to ``seq_id``'s table, one reference each."""
+        table = self._table(seq_id)
+        self.allocator.incref(pages)
+        table.extend(pages)
+
+    def cache_prefix(
+        self, seq_id: int, token_ids: Sequence[int], num_valid_slots: int, salt: str | None = None
+    ) -> list[int]:
+        """Key ``seq_id``'s full pages below ``num_valid_slots`` (its KV is final there in every
+        pool), so later prompts find them; returns the pages keyed now. A no-op without a cache.
+        """
+        table = self._table(seq_id)
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.keyed(self.allocator, seq_id, table, token_ids, num_valid_slots, salt)
+
     def fork(self, src_seq_id: int, dst_seq_id: int) -> None:
         """Start ``dst_seq_id`` sharing every page of ``src_seq_id`` (prefix sharing).
 
@@ -285,7 +333,7 @@ class KVCacheManager:
         self._tables[dst_seq_id] = list(table)
 
     def ensure_writable(self, seq_id: int, start_slot: int) -> int:
-        """Give ``seq_id`` its own copy of every shared page holding slots ``>= start_slot``.
+        """Give ``seq_id`` its own copy of every shared or keyed page holding slots ``>= start_slot``.
 
         Copy on write after :meth:`fork`: call before writing slots from ``start_slot`` on
         (:meth:`build_layout` and :meth:`compact` refuse to write into a shared page).
@@ -301,7 +349,7 @@ class KVCacheManager:
         shared = [
             i
             for i in range(start_slot // self.page_size, len(table))
-            if self.allocator.refcount(table[i]) > 1
+            if not self._writable(table[i])
         ]
         if not shared:
             return 0
@@ -336,10 +384,13 @@ class KVCacheManager:
             self._for_each_pool([s for s, _ in pairs], [d for _, d in pairs], PagePool.copy_slots)
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's references to its pages and forget it."""
+        """Drop the sequence's references to its pages and forget it (its keyed pages stay
+        cached until evicted, its first pages longest)."""
         table = self._table(seq_id)
         self.allocator.free(table)
         del self._tables[seq_id]
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(seq_id)
 
     # ---- metadata ---------------------------------------------------------------------------
 
@@ -481,15 +532,21 @@ class KVCacheManager:
 
     def stats(self) -> dict[str, int]:
         """Occupancy counters for logs and metrics."""
-        return {
+        stats = {
             "page_size": self.page_size,
             "num_total_pages": self.allocator.num_total_pages,
-            "num_free_pages": self.allocator.num_free_pages,
+            "num_free_pages": self.allocator.num_free_pages,  # cached pages no table holds too
             "num_used_pages": self.allocator.num_used_pages,
             "num_sequences": len(self._tables),
             "num_pools": len(self._pools),
             "pool_bytes": sum(pool.nbytes for pool in self._pools.values()),
         }
+        if self.prefix_cache is not None:
+            stats |= self.prefix_cache.stats()
+            stats["prefix_cache_pages"] = self.allocator.num_keyed_pages
+            stats["prefix_cache_evictable_pages"] = self.allocator.num_evictable_pages
+            stats["prefix_cache_evictions"] = self.allocator.num_evictions
+        return stats
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -507,16 +564,20 @@ class KVCacheManager:
                 f"{name} must be in 0..{capacity} (capacity of sequence {seq_id}), got {value}"
             )
 
+    def _writable(self, page: int) -> bool:
+        """One table holds ``page`` and it has no content key (keyed KV is read-only)."""
+        return self.allocator.refcount(page) == 1 and self.allocator.key_of(page) is None
+
     def _check_exclusive(self, seq_id: int, start: int, end: int) -> None:
-        """Refuse to write slots ``start .. end - 1`` if any of their pages is shared."""
+        """Refuse to write slots ``start .. end - 1`` if any of their pages is shared or keyed."""
         if end <= start:
             return
         table = self._tables[seq_id]
         for i in range(start // self.page_size, (end - 1) // self.page_size + 1):
-            if self.allocator.refcount(table[i]) > 1:
+            if not self._writable(table[i]):
                 raise ValueError(
                     f"sequence {seq_id}: page {table[i]} (slots {i * self.page_size}.."
-                    f"{(i + 1) * self.page_size - 1}) is shared after fork(); call "
+                    f"{(i + 1) * self.page_size - 1}) is shared or in the prefix cache; call "
                     f"ensure_writable({seq_id}, {start}) before writing to it"
                 )
 

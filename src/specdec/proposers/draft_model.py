@@ -52,6 +52,7 @@ class DraftModel:
 
     kind = ProposalKind.CHAIN
     needs_target_hidden = False
+    kv_lookahead = 0  # prefix caching (SharesCachedPrefix): a draft's KV at p sees tokens <= p
 
     def __init__(self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None) -> None:
         if not isinstance(model, LlamaModel):
@@ -187,6 +188,13 @@ class DraftModel:
         for seq_id, tokens in zip(step.seq_ids, step.token_ids):
             if seq_id in self._computed:
                 self._computed[seq_id] = min(self._computed[seq_id], len(tokens) - 1)
+
+    def kv_valid_slots(self, seq_id: int, num_computed: int) -> int:
+        """The slots the draft has run over (it catches up lazily, when it next drafts)."""
+        return min(self._computed.get(seq_id, 0), num_computed)
+
+    def adopt_prefix(self, seq_id: int, num_slots: int) -> None:
+        self._computed[seq_id] = num_slots
 
     def release(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)

@@ -35,6 +35,9 @@ class HeadProposer:
 
     needs_target_hidden = True
     head_name = "head"
+    # Prefix caching (SharesCachedPrefix): the head's row p pairs the target's features at p
+    # with token p + 1, so a cached page is reused only where that token matches too.
+    kv_lookahead = 1
 
     def __init__(self, *, head: HeadModule | None, path: Path | None, quantization: str | None) -> None:
         self.head = head
@@ -86,6 +89,13 @@ class HeadProposer:
         last = g[layout.last_row_indices]  # [batch, hidden]
         for i, seq_id in enumerate(step.seq_ids):
             self._g[seq_id] = last[i]
+
+    def kv_valid_slots(self, seq_id: int, num_computed: int) -> int:
+        """Every committed slot: after each target pass the head has re-run the kept rows."""
+        return num_computed if seq_id in self._g else 0
+
+    def adopt_prefix(self, seq_id: int, num_slots: int) -> None:
+        """Nothing to do: the prefill's kept rows (from ``num_slots`` on) give the new ``g``."""
 
     def release(self, seq_id: int) -> None:
         self._g.pop(seq_id, None)
