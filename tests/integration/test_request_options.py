@@ -15,7 +15,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from helpers import ScriptedPolicy, perturbed, random_head
+from helpers import ScriptedPolicy, perturbed, random_head, record_drafts
 
 from specdec import CacheConfig, Generator, SamplingParams, StructuredOutput
 from specdec.codec import load_tokenizer
@@ -184,6 +184,25 @@ def test_every_option_gives_plain_tokens_under_speculation(stories, plain, propo
     least = {"draft": 200, "lookup": 20, "custom-tree": 20}.get(proposer, 0 if proposer == "eagle-tree" else 1)
     assert gen.metrics.num_accepted >= least, gen.metrics.num_accepted
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "eagle-tree"])
+def test_ready_made_drafts_stay_inside_the_masks(stories, proposer):
+    """Prompt lookup and EAGLE trees draft without the request's options, then keep only the
+    drafts its masks allow (a chain's allowed prefix, a tree's allowed nodes): with the odd
+    token ids banned, no odd id is ever drafted (both draft many of them without the mask)."""
+    target, tok = stories
+    even = list(range(0, target.config.vocab_size, 2))
+    counts = {}
+    for masked in (False, True):
+        p = _proposer(target, proposer)
+        drafted = record_drafts(p)
+        gen = Generator.from_components(target, tok, proposer=p, policy=8 if proposer in TREES else K)
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, allowed_token_ids=even if masked else None)
+        gen.generate(PROMPTS, params)
+        counts[masked] = (len(drafted), sum(t % 2 for t in drafted))
+    assert counts[False][1] > 10, counts  # unmasked, odd ids are drafted
+    assert counts[True][0] > 10 and counts[True][1] == 0, counts
 
 
 @pytest.mark.parametrize("proposer", ["draft", "custom-tree"])

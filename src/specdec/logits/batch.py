@@ -10,18 +10,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 
 if TYPE_CHECKING:
     from specdec.request import Request
 
-__all__ = ["draft_transforms", "first_dead", "transform_rows"]
-
-# A draft row's transform: (extensions, logits [rows, width]) -> logits, for one request.
-DraftTransform = Callable[[Sequence[Sequence[int]], torch.Tensor], torch.Tensor]
+__all__ = ["DraftTransform", "draft_transforms", "first_dead", "transform_rows"]
 
 
 def transform_rows(
@@ -68,17 +66,50 @@ def first_dead(paths: Sequence[int], dead: frozenset[int]) -> int | None:
 def draft_transforms(reqs: Sequence[Request]) -> tuple[DraftTransform | None, ...]:
     """Per request, its options as a transform of draft rows (``None`` without options): a
     chain proposer applies it to the logits it drafts from, with the drafts before each row as
-    the extension, so its drafts follow the same constraints and are accepted as often."""
-    return tuple(None if r.transform is None else _draft_transform(r) for r in reqs)
+    the extension, so its drafts follow the same constraints and are accepted as often; a
+    proposer with ready-made drafts (lookup, a tree) keeps the :meth:`DraftTransform.allowed`
+    ones."""
+    return tuple(None if r.transform is None else DraftTransform(r, tuple(r.output_ids)) for r in reqs)
 
 
-def _draft_transform(req: Request) -> DraftTransform:
-    output = tuple(req.output_ids)  # fixed for the step: drafting never commits
+@attrs.frozen(eq=False)
+class DraftTransform:
+    """One request's options over draft rows, for one step (drafting never commits, so the
+    committed output is fixed). Call it as ``transform(extensions, logits [rows, width])``."""
 
-    def apply(extensions: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
+    request: Request
+    output: tuple[int, ...]
+
+    def __call__(self, extensions: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
         try:
-            return req.transform.apply(output, extensions, logits)[0]
+            return self.request.transform.apply(self.output, extensions, logits)[0]
         except Exception:  # noqa: BLE001 - drafts are guesses: the verify pass meets the same
             return logits  # error and fails this request alone, not the proposer's whole batch
 
-    return apply
+    def allowed(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> tuple[list[int], list[int] | None]:
+        """The drafts the options allow: a draft whose token they forbid after its path (a
+        mask: allowed ids, bad words, ``min_tokens``, a grammar) is dropped with everything
+        after it. A chain (``parents`` ``None``) keeps its allowed prefix; a tree (parents
+        before children, ``-1`` for the root's children) keeps its allowed nodes, re-indexed.
+
+        Example:
+            >>> transform.allowed([5, 9, 2])              # [5] if 9 is banned after 5
+            >>> transform.allowed([5, 7, 9], [-1, -1, 0])  # ([5, 7], [-1, -1]) likewise
+        """
+        if not tokens:
+            return list(tokens), None if parents is None else []
+        links = list(range(-1, len(tokens) - 1)) if parents is None else list(parents)
+        paths: list[list[int]] = []  # per node: the tokens of its ancestors, root side first
+        for p in links:
+            paths.append([] if p < 0 else [*paths[p], tokens[p]])
+        zeros = torch.zeros((len(tokens), self.request.transform.vocab_size), dtype=torch.float32)
+        out = self(paths, zeros)  # [nodes, vocab]: -inf where a mask forbids
+        ids = torch.tensor(list(tokens), dtype=torch.int64)
+        ok = (out[torch.arange(len(tokens)), ids] > -torch.inf).tolist()
+        index: dict[int, int] = {}  # kept node -> its new index
+        for j, p in enumerate(links):
+            if ok[j] and (p < 0 or p in index):
+                index[j] = len(index)
+        kept = list(index)
+        new_parents = [-1 if links[j] < 0 else index[links[j]] for j in kept]
+        return [tokens[j] for j in kept], None if parents is None else new_parents

@@ -51,6 +51,11 @@ class TokenListProposer:
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         k = ctx.num_speculative_tokens
         rows = [list(self.draft(tokens, k))[:k] for tokens in ctx.token_ids]
+        # A request's masks (a grammar, bans) cut its drafts where they stop being allowed:
+        # the rest could never be accepted.
+        for i, transform in enumerate(ctx.logits_transforms):
+            if transform is not None:
+                rows[i] = transform.allowed(rows[i])[0]
         return DraftProposal(
             kind=ProposalKind.CHAIN,
             draft_token_ids=pad_rows(rows, k, ctx.device),

@@ -143,9 +143,13 @@ class EAGLETree(HeadProposer):
             for i, nodes in zip(live, grown):
                 trees[i] = nodes
         tokens, parents = [], []
-        for nodes in trees:
+        transforms = ctx.logits_transforms or (None,) * len(trees)
+        for nodes, transform in zip(trees, transforms):
             kept, kept_parents = best_first(nodes, n, self.shape.min_score)
-            tokens.append([nodes[j].token for j in kept])
+            kept_tokens = [nodes[j].token for j in kept]
+            if transform is not None:  # nodes a mask forbids (grammar, bans) go, with their subtrees
+                kept_tokens, kept_parents = transform.allowed(kept_tokens, kept_parents)
+            tokens.append(kept_tokens)
             parents.append(kept_parents)
         return DraftProposal(
             kind=ProposalKind.TREE,
