@@ -42,7 +42,7 @@ from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
 from specdec.models.mtp_head import MTPModule as MTPHeadModel
 from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
-from specdec.proposers import DraftModel, MTPHead, PromptLookup
+from specdec.proposers import DraftModel, MTPHead, PromptLookup, SuffixDecoding
 from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
@@ -68,7 +68,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup
+    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup | suffix
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -93,6 +93,10 @@ CASES = [
     Case("t0.8-topk8-topp0.9", 3, "draft", "seeded", policy="random"),
     Case("t1.0", 3, "lookup", "stream"),
     Case("t0.8-topk8-topp0.9", 2, "lookup", "seeded"),
+    # Suffix decoding: one-hot trees from the prompt and earlier requests' outputs (the second
+    # batch drafts from the first's), so the tree rule meets several children per node.
+    Case("t1.0", 3, "suffix", "stream"),
+    Case("t0.8-topk8-topp0.9", 3, "suffix", "seeded"),
     Case("t1.0", 3, "mtp-vocab", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-vocab", "seeded"),
     Case("t1.0", 3, "draft-confident", "stream"),
@@ -158,6 +162,8 @@ def _proposer(models, kind: str, k: int):
         return DraftModel.from_model(models[2], num_speculative_tokens=k, draft_vocab=[0, 1, 3, 4, 7, 9, 10])
     if kind == "lookup":
         return PromptLookup(num_speculative_tokens=k)
+    if kind == "suffix":  # every match may draft up to k nodes (a 1-token match too)
+        return SuffixDecoding(num_speculative_tokens=k, spec_offset=float(k), min_token_prob=0.05)
     # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere);
     # "mtp-confident": chains end after a draft of head probability < 0.15.
     vocab = torch.tensor([0, 1, 3, 4, 7, 9, 10]) if kind == "mtp-vocab" else None
@@ -289,8 +295,9 @@ def test_generator_output_matches_the_target_distribution(models, case):
     # Both branches of the rule were exercised at every draft position, and full acceptances
     # (bonus tokens at position k + 2) happened.
     assert 0.02 < m.acceptance_rate < 0.95, m.acceptance_rate
-    # (Prompt lookup's drafts on this random model are rarely right past the first.)
-    for j in range(1 if case.proposer == "lookup" else case.k):
+    # (Prompt lookup's and suffix decoding's drafts on this random model are rarely right
+    # past the first.)
+    for j in range(1 if case.proposer in ("lookup", "suffix") else case.k):
         drafted, accepted = m.drafted_per_position[j], m.accepted_per_position[j]
         assert 5 < accepted < 0.98 * drafted, (j, drafted, accepted)
     if case.policy == "random":
@@ -392,3 +399,21 @@ def test_the_check_rejects_seeded_noise_that_ignores_the_position(models, monkey
     monkeypatch.setattr(noise, "row_key", lambda seed, position: real(seed, 0))
     result, _ = run_case(models, Case("t1.0", 3, "draft", "seeded"))
     assert min(v for k, v in result.items() if k.startswith("joint")) < ALPHA, result
+
+
+def _siblings_judged_independently(p, tokens):
+    """Bug: each of a node's one-hot children tested against the target's p itself, and the
+    recovered token drawn from p (a rejected sibling's token may come back)."""
+    accept = torch.stack([p[t] for t in tokens]) if tokens else p.new_zeros(0)
+    return accept, p.expand(len(tokens) + 1, -1)
+
+
+def test_the_check_rejects_suffix_trees_with_siblings_judged_independently(models):
+    """Suffix decoding drafts one-hot trees with several children per node; the tree rule
+    must judge siblings one after another (a rejected sibling's token leaves the distribution)."""
+    from specdec.verify import tree
+
+    with mock.patch.object(tree, "sibling_step_deterministic", _siblings_judged_independently):
+        result, gen = run_case(models, Case("t1.0", 3, "suffix"))
+    assert gen.metrics.num_drafted > gen.metrics.num_verify_steps  # more than one node a step
+    assert min(result.values()) < ALPHA, result

@@ -98,7 +98,7 @@ def test_the_registry_builds_a_plugin_by_name_from_a_dict(plugin_path):
     assert registry.build("echo").num_speculative_tokens == 3  # the entry's default width
     with pytest.raises(ValueError, match="takes no option 'tree_top_k'"):
         registry.build("echo", {"tree_top_k": 2})
-    with pytest.raises(ValueError, match="unknown proposer 'nope'; known: draft, mtp, eagle, prompt-lookup, echo"):
+    with pytest.raises(ValueError, match="unknown proposer 'nope'; known: draft, mtp, eagle, prompt-lookup, suffix, echo"):
         registry.build("nope", {})
 
 

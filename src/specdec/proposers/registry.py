@@ -10,7 +10,7 @@ edited. :func:`load_registry` builds the registry on demand: nothing is kept in 
 Example:
     >>> registry = load_registry()
     >>> registry.names()  # the built-ins, then installed plug-ins
-    ('draft', 'mtp', 'eagle', 'prompt-lookup')
+    ('draft', 'mtp', 'eagle', 'prompt-lookup', 'suffix')
     >>> lookup = registry.build("prompt-lookup", {"num_speculative_tokens": 3})
 
 A plug-in's ``pyproject.toml``::
@@ -300,6 +300,21 @@ def builtin_entries() -> tuple[ProposerEntry, ...]:
                                help="speculate by prompt lookup (n-grams)"),
             ),
         ),
+        ProposerEntry(
+            name="suffix",
+            help="suffix decoding: trees from suffix indexes of the prompt and of earlier outputs "
+            "(no model); -k is the most tree nodes verified",
+            build=_build_suffix,
+            num_speculative_tokens=16,
+            options=(
+                ProposerOption(name="suffix_max_depth", type=positive_int_arg, default=24, metavar="N",
+                               help="longest context suffix matched"),
+                ProposerOption(name="suffix_spec_factor", type=float, default=1.0, metavar="X",
+                               help="tree nodes per matched token (the speculation grows with the match)"),
+                ProposerOption(name="suffix_min_token_prob", type=float, default=0.1, metavar="P",
+                               help="draft no node whose estimated path probability is below P"),
+            ),
+        ),
     )
 
 
@@ -330,6 +345,17 @@ def _build_eagle(options: Mapping[str, object], context: BuildContext) -> Propos
         top_k=options["tree_top_k"],
         depth=options["tree_depth"],
         num_verify_tokens=options["num_speculative_tokens"],
+    )
+
+
+def _build_suffix(options: Mapping[str, object], context: BuildContext) -> Proposer:
+    from specdec.proposers.suffix import SuffixDecoding
+
+    return SuffixDecoding(
+        num_speculative_tokens=options["num_speculative_tokens"],
+        max_depth=options["suffix_max_depth"],
+        spec_factor=options["suffix_spec_factor"],
+        min_token_prob=options["suffix_min_token_prob"],
     )
 
 
