@@ -155,3 +155,37 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+class running_server:
+    """Context manager: ``generator`` served over HTTP on 127.0.0.1 (a free port) on a thread;
+    yields the server's base URL (``http://127.0.0.1:PORT``). The app is ``.app``, its state
+    (engine driver, metrics) ``.state``."""
+
+    def __init__(self, generator, config) -> None:
+        from specdec.server import make_server
+
+        self.server = make_server(generator, config, log_level="warning")
+        self.app = self.server.config.app
+        self.state = self.app.state.specdec
+
+    def __enter__(self) -> str:
+        import socket
+        import threading
+        import time
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(60)

@@ -1,6 +1,6 @@
-"""Command line: ``specdec generate | fetch | demo | train-mtp | train-eagle``.
+"""Command line: ``specdec generate | serve | fetch | demo | train-mtp | train-eagle``.
 
-``specdec generate --proposer NAME`` speculates with an entry of the proposer registry
+``specdec generate --proposer NAME`` (and ``specdec serve``) speculates with an entry of the proposer registry
 (:mod:`specdec.proposers.registry`: the built-ins and installed plug-ins), its options
 generated from the entry; ``--draft PATH``, ``--mtp-head DIR``, ``--eagle-head DIR`` and
 ``--prompt-lookup`` select their entries alone. Errors print one line (``specdec: error: ...``)
@@ -267,6 +267,7 @@ def build_parser(registry: ProposerRegistry) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True, help="what to do")
     _add_generate(sub.add_parser("generate", help="generate text for a prompt"), registry)
+    _add_serve(sub.add_parser("serve", help="serve a model over the OpenAI API (docs/serving.md)"), registry)
     fetch = sub.add_parser("fetch", help="download and convert a known model into the cache")
     fetch.add_argument("model", help="known model name")
     _add_demo(sub.add_parser("demo", help="run the demo on the default model pair"))
@@ -300,6 +301,43 @@ def _add_generate(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> N
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_sampling_args(gen)
     _add_proposer_args(gen, registry)
+
+
+def _add_serve(serve: argparse.ArgumentParser, registry: ProposerRegistry) -> None:
+    serve.add_argument("model", help="HF directory, .gguf file or model name")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (repeatable: several keys; each key's "
+                       "requests share cached prefixes only with the same key's)")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id clients send (default: MODEL as given)")
+    serve.add_argument("--max-pending", type=_positive_int, default=256, metavar="N",
+                       help="requests running or queued at most; more get 429 with Retry-After (default 256)")
+    serve.add_argument("--max-batch-size", type=_positive_int, default=None, metavar="N",
+                       help="requests decoded together at most (default: CacheConfig's, 8)")
+    serve.add_argument("--num-pages", type=_positive_int, default=None, metavar="N",
+                       help="KV pages of the cache (default: sized from the model and batch)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="recompute every prompt (automatic prefix caching is on by default)")
+    serve.add_argument("--chat-template", type=_read_text, default=None, metavar="FILE",
+                       help="Jinja chat template replacing the tokenizer's")
+    serve.add_argument("--drain-timeout", type=float, default=300.0, metavar="S",
+                       help="on SIGINT/SIGTERM, seconds in-flight requests may still run (default 300)")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default info)")
+    _add_device_args(serve)
+    serve.add_argument("--quantization", choices=("int8", "q4"), default=None,
+                       help="store the target's linear layers as int8 or 4-bit (CPU)")
+    _add_threads_arg(serve)
+    _add_proposer_args(serve, registry)
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {value}")
+    return value
 
 
 def _add_proposer_args(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> None:
@@ -412,11 +450,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _report(exc, debug="--debug" in argv)  # not parsed yet: the parser needs the registry
     args = parser.parse_args(argv)  # usage errors: argparse prints them and exits 2
     selection = None
-    if args.command == "generate":
+    if args.command in ("generate", "serve"):
         try:
             selection = _select_proposer(args, registry)
         except _ContextError as exc:  # a usage error too: usage, one line, exit 2
-            _subparsers(parser)["generate"].error(str(exc))
+            _subparsers(parser)[args.command].error(str(exc))
     try:
         return _run(args, registry, selection)
     except Exception as exc:  # noqa: BLE001 - the command line reports every failure alike
@@ -473,6 +511,8 @@ def _run(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selec
         torch.set_num_threads(args.threads)
     if args.command == "generate":
         return _generate(args, registry, selection)
+    if args.command == "serve":
+        return _serve(args, registry, selection)
     if args.command == "fetch":
         from specdec.hub import fetch
 
@@ -559,6 +599,32 @@ def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _
         summary += f", drafted {m.num_drafted}, accepted {m.num_accepted}"
         summary += f", acceptance {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}"
     print(f"[{summary}]")
+    return 0
+
+
+def _serve(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selection) -> int:
+    try:
+        from specdec.server import ServerConfig, serve
+    except ImportError as exc:
+        raise ValueError(f"specdec serve needs the serve extra: pip install 'specdec[serve]' ({exc})") from None
+    from specdec import CacheConfig, Generator
+
+    config = ServerConfig(model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
+                          max_pending=args.max_pending, chat_template=args.chat_template,
+                          drain_timeout_s=args.drain_timeout)  # fmt: skip
+    cache = {"prefix_caching": not args.no_prefix_cache}
+    if args.max_batch_size is not None:
+        cache["max_batch_size"] = args.max_batch_size
+    if args.num_pages is not None:
+        cache["num_pages"] = args.num_pages
+    context = BuildContext(target=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+    entry, options = selection
+    proposer = None if entry is None else registry.build(entry.name, options, context, parsed=True)
+    policy = proposer.num_speculative_tokens if proposer is not None and args.policy == "fixed" else None
+    gen = Generator.from_pretrained(args.model, proposer=proposer, dtype=args.dtype, device=args.device,
+                                    policy=policy, quantization=args.quantization,
+                                    cache_config=CacheConfig(**cache))  # fmt: skip
+    serve(gen, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
 

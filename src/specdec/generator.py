@@ -302,6 +302,21 @@ class Generator:
         self._loop.submit([req])
         return RequestHandle(self._loop, self._codec, req)
 
+    def submit_samples(self, prompt: Prompt, params: SamplingParams | None = None) -> list[RequestHandle]:
+        """Queue the ``params.n`` samples of one prompt; one handle each, at once.
+
+        Sample ``i`` is :meth:`generate`'s sample ``i`` (sample 0 is :meth:`submit`'s
+        request); with prefix caching the others are admitted after sample 0's prefill and
+        start on its cached prompt pages. All are validated before any is queued.
+        """
+        self._require_leader("submit_samples()")
+        prompt = single_prompt(prompt, "submit_samples()")
+        group = [self._request(prompt, s) for s in sample_params(check_params(params))]
+        for sample in group[1:]:
+            sample.after_prefill_of = group[0]
+        self._loop.submit(group)
+        return [RequestHandle(self._loop, self._codec, req) for req in group]
+
     def step(self) -> StepOutput:
         """Run one engine step over every submitted request.
 
@@ -374,6 +389,22 @@ class Generator:
         """The speculation policy (``None`` without a proposer)."""
         self._require_leader("policy")
         return self.engine.policy
+
+    @property
+    def max_sequence_len(self) -> int:
+        """Prompt + output tokens one request may reach: the target's positions, or fewer
+        when the KV cache holds fewer per sequence."""
+        return min(self.max_context, self._requests.capacity)
+
+    def queue_stats(self) -> dict[str, int]:
+        """``num_waiting`` and ``num_running`` requests, ``num_preemptions`` so far."""
+        self._require_leader("queue_stats()")
+        with self._loop.lock:
+            return {
+                "num_waiting": len(self.scheduler.waiting) + self._loop.num_queued,
+                "num_running": len(self.scheduler.running),
+                "num_preemptions": self.scheduler.num_preemptions,
+            }
 
     def kv_stats(self) -> dict[str, int]:
         """``num_free_pages``, ``num_total_pages`` and more, from the one page allocator."""

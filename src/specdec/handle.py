@@ -21,7 +21,7 @@ from specdec.output import GenerationOutput, output_of
 from specdec.request import FinishReason, Request, RequestView
 from specdec.stepping import StepLoop, raise_if_failed
 
-__all__ = ["RequestHandle"]
+__all__ = ["RequestHandle", "TextDeltas"]
 
 
 class RequestHandle:
@@ -85,6 +85,26 @@ class RequestHandle:
         """
         return self._loop.cancel(self._req)
 
+    def cancel_soon(self) -> None:
+        """Cancel without waiting for a step in progress (for an event loop, which must not
+        block): at once when no step runs, else before the next step; a no-op once ended."""
+        if not self._req.finished:
+            self._loop.cancel_soon(self._req)
+
+    def snapshot(self) -> RequestView:
+        """The request as it stands between two steps (its output so far, whether it ended),
+        without stepping: for a consumer that lets another thread drive the engine."""
+        return self._loop.progress(self._req, None)
+
+    def output(self) -> GenerationOutput:
+        """The output as it stands, without stepping (``result()`` once the request ended)."""
+        with self._loop.lock:
+            return output_of(self._req, self._codec)
+
+    def text_deltas(self) -> TextDeltas:
+        """A :class:`TextDeltas` that turns this request's snapshots into text deltas."""
+        return TextDeltas(self._codec, self._req)
+
     def result(self) -> GenerationOutput:
         """Step the engine until this request is done; its output, or its error raised."""
         for _ in self._views():
@@ -132,7 +152,7 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[str]:
         """Yield text deltas (needs a tokenizer; a delta never ends inside a character)."""
-        deltas = _TextDeltas(self._codec, self._req)
+        deltas = TextDeltas(self._codec, self._req)
         with contextlib.closing(self._views()) as views:
             for view in views:
                 if delta := deltas.pull(view):
@@ -154,14 +174,14 @@ class RequestHandle:
 
     async def stream_async(self) -> AsyncIterator[str]:
         """The asyncio form of iterating the handle: text deltas."""
-        deltas = _TextDeltas(self._codec, self._req)
+        deltas = TextDeltas(self._codec, self._req)
         async with contextlib.aclosing(self._views_async()) as views:
             async for view in views:
                 if delta := deltas.pull(view):
                     yield delta
 
 
-class _TextDeltas:
+class TextDeltas:
     """Turns a request's growing output into text deltas, holding back a partial character
     and, while the request runs, any end of the text that a stop string may yet complete: the
     streamed text is always a prefix of the text ``result()`` returns."""

@@ -45,6 +45,11 @@ class StepLoop:
         """Engine steps taken so far."""
         return self._num_steps
 
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted but not yet moved into the scheduler."""
+        return len(self._inbox)
+
     def new_seq_id(self) -> int:
         """A fresh request id (from any thread, without waiting for a step)."""
         with self._ids_lock:
