@@ -10,7 +10,9 @@ rotates from request to request, so the drift of a shared machine hits all):
 - ``humaneval`` (fresh): HumanEval completion prompts, nothing repeated.
 
 Systems: ``plain``; ``lookup`` (prompt lookup, k = 4); ``suffix`` (SuffixDecoding, trees of at
-most 16 nodes, fixed k); ``draft`` (Qwen2.5-Coder-0.5B-Instruct, int8, k = 4). Each keeps its
+most 16 nodes, fixed k); ``draft`` (Qwen2.5-Coder-0.5B-Instruct, int8, k = 4); ``hybrid``
+(SuffixHybrid: per request and step the suffix tree or the draft's chain, chosen by its cost
+rule; a ``mixed (all requests)`` row sums both workloads). Each keeps its
 own generator for the whole run, so suffix decoding's global index holds that system's earlier
 answers, as it would in a server. Every output must equal plain's. Reported per workload and
 system: seconds, tokens/s, speed-up over plain, acceptance (accepted / drafted) and tokens per
@@ -34,7 +36,7 @@ import torch
 
 from benchmarks.common import machine_info, write_json
 
-SYSTEMS = ("plain", "lookup", "suffix", "draft")
+SYSTEMS = ("plain", "lookup", "suffix", "draft", "hybrid")
 
 
 def humaneval_problems() -> list[dict]:
@@ -68,16 +70,20 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 def build_systems(args) -> dict:
     from specdec import CacheConfig, FixedPolicy, Generator
     from specdec.hub import resolve_model
-    from specdec.proposers import DraftModel, PromptLookup, SuffixDecoding
+    from specdec.proposers import DraftModel, PromptLookup, SuffixDecoding, SuffixHybrid
 
     cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
     plain = Generator.from_pretrained(resolve_model(args.target), dtype="bfloat16", cache_config=cache)
     draft = DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
                                        dtype="bfloat16", quantization="int8")  # fmt: skip
+    hybrid_draft = DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
+                                              dtype="bfloat16", quantization="int8")  # fmt: skip
     proposers = {
         "lookup": (PromptLookup(num_speculative_tokens=4), 4),
         "suffix": (SuffixDecoding(num_speculative_tokens=16), 16),
         "draft": (draft, 4),
+        # Per request and step: the suffix tree (up to 16 nodes) or the draft's chain (up to 4).
+        "hybrid": (SuffixHybrid(hybrid_draft, SuffixDecoding(num_speculative_tokens=16)), 16),
     }
     systems = {"plain": plain}
     for name, (proposer, k) in proposers.items():
@@ -125,8 +131,9 @@ def workload_requests(tokenizer, args, outputs_of) -> list[tuple[str, str, list[
 
 def summarize(records: list[dict]) -> dict:
     out = {}
-    for workload in sorted({r["workload"] for r in records}):
-        rows = [r for r in records if r["workload"] == workload]
+    workloads = {w: [r for r in records if r["workload"] == w] for w in sorted({r["workload"] for r in records})}
+    workloads["mixed (all requests)"] = records
+    for workload, rows in workloads.items():
         plain_s = sum(r["systems"]["plain"]["seconds"] for r in rows)
         out[workload] = {}
         for name in SYSTEMS:
@@ -172,7 +179,8 @@ def run(args) -> dict:
         "threads": args.threads,
         "target": args.target,
         "draft": f"{args.draft} (int8)",
-        "settings": {"lookup": "k=4", "suffix": "SuffixDecoding(16), FixedPolicy(16)", "draft": "k=4"},
+        "settings": {"lookup": "k=4", "suffix": "SuffixDecoding(16), FixedPolicy(16)", "draft": "k=4",
+                     "hybrid": "SuffixHybrid(draft k=4, SuffixDecoding(16)), FixedPolicy(16)"},
         "summary": summarize(records),
         "requests": records,
     }

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import random
 import sys
 from unittest import mock
 
@@ -42,7 +43,8 @@ from specdec.models.llama import ModelConfig
 from specdec.models.loading import model_from_state_dict
 from specdec.models.mtp_head import MTPModule as MTPHeadModel
 from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
-from specdec.proposers import DraftModel, MTPHead, PromptLookup, SuffixDecoding
+from specdec.proposers import DraftModel, MTPHead, PromptLookup, SuffixDecoding, SuffixHybrid
+from specdec.proposers.hybrid import CostRule
 from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
@@ -68,7 +70,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup | suffix
+    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup | suffix | hybrid
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -97,6 +99,9 @@ CASES = [
     # batch drafts from the first's), so the tree rule meets several children per node.
     Case("t1.0", 3, "suffix", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "suffix", "seeded"),
+    # SuffixHybrid with a rule choosing at random: suffix trees and draft chains in one batch.
+    Case("t1.0", 3, "hybrid", "stream"),
+    Case("t0.8-topk8-topp0.9", 3, "hybrid", "seeded"),
     Case("t1.0", 3, "mtp-vocab", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-vocab", "seeded"),
     Case("t1.0", 3, "draft-confident", "stream"),
@@ -164,6 +169,9 @@ def _proposer(models, kind: str, k: int):
         return PromptLookup(num_speculative_tokens=k)
     if kind == "suffix":  # every match may draft up to k nodes (a 1-token match too)
         return SuffixDecoding(num_speculative_tokens=k, spec_offset=float(k), min_token_prob=0.05)
+    if kind == "hybrid":
+        suffix = SuffixDecoding(num_speculative_tokens=k, spec_offset=float(k), min_token_prob=0.05)
+        return SuffixHybrid(DraftModel.from_model(models[2], num_speculative_tokens=k), suffix, rule=_CoinRule(5))
     # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere);
     # "mtp-confident": chains end after a draft of head probability < 0.15.
     vocab = torch.tensor([0, 1, 3, 4, 7, 9, 10]) if kind == "mtp-vocab" else None
@@ -171,6 +179,17 @@ def _proposer(models, kind: str, k: int):
     return MTPHead.from_model(
         build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab, confidence_threshold=threshold
     )
+
+
+class _CoinRule(CostRule):
+    """SuffixHybrid's choices by coin flips (every rule must keep the distribution)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def prefer_suffix(self, seq_id, tree, k) -> bool:
+        return bool(tree.tokens) and self.rng.random() < 0.5
 
 
 def _params(case: Case, seed: int | None) -> SamplingParams:
@@ -297,7 +316,7 @@ def test_generator_output_matches_the_target_distribution(models, case):
     assert 0.02 < m.acceptance_rate < 0.95, m.acceptance_rate
     # (Prompt lookup's and suffix decoding's drafts on this random model are rarely right
     # past the first.)
-    for j in range(1 if case.proposer in ("lookup", "suffix") else case.k):
+    for j in range(1 if case.proposer in ("lookup", "suffix", "hybrid") else case.k):
         drafted, accepted = m.drafted_per_position[j], m.accepted_per_position[j]
         assert 5 < accepted < 0.98 * drafted, (j, drafted, accepted)
     if case.policy == "random":
@@ -417,3 +436,22 @@ def test_the_check_rejects_suffix_trees_with_siblings_judged_independently(model
         result, gen = run_case(models, Case("t1.0", 3, "suffix"))
     assert gen.metrics.num_drafted > gen.metrics.num_verify_steps  # more than one node a step
     assert min(result.values()) < ALPHA, result
+
+
+def test_the_check_rejects_hybrid_draft_distributions_one_position_off(models):
+    """SuffixHybrid must put each chain's draft distributions at their own nodes (bug: each
+    node gets the next node's distribution, an off-by-one when a chain becomes a tree)."""
+    from specdec.proposers import hybrid
+
+    with mock.patch.object(hybrid.SuffixHybrid, "_merge_model", _merge_one_off):
+        result, gen = run_case(models, Case("t1.0", 3, "hybrid"))
+    assert gen.proposer.num_model_steps > 0 and gen.proposer.num_suffix_steps > 0
+    assert min(result.values()) < ALPHA, result
+
+
+_ORIGINAL_MERGE = SuffixHybrid._merge_model
+
+
+def _merge_one_off(self, *args):
+    probs = _ORIGINAL_MERGE(self, *args)
+    return None if probs is None else probs.roll(-1, dims=1)

@@ -1,11 +1,12 @@
-"""Proposers: draft models, MTP and EAGLE heads, prompt lookup, suffix decoding, and the base
-for user-defined ones."""
+"""Proposers: draft models, MTP and EAGLE heads, prompt lookup, suffix decoding (alone or with
+a model, chosen per request: SuffixHybrid), and the base for user-defined ones."""
 
 from specdec.proposers.base import TokenListProposer
 from specdec.proposers.draft_model import DraftModel
 from specdec.proposers.eagle import EAGLETree
+from specdec.proposers.hybrid import SuffixHybrid
 from specdec.proposers.mtp import MTPHead
 from specdec.proposers.ngram import PromptLookup
 from specdec.proposers.suffix import SuffixDecoding
 
-__all__ = ["DraftModel", "EAGLETree", "MTPHead", "PromptLookup", "SuffixDecoding", "TokenListProposer"]
+__all__ = ["DraftModel", "EAGLETree", "MTPHead", "PromptLookup", "SuffixDecoding", "SuffixHybrid", "TokenListProposer"]

@@ -313,6 +313,13 @@ def builtin_entries() -> tuple[ProposerEntry, ...]:
                                help="tree nodes per matched token (the speculation grows with the match)"),
                 ProposerOption(name="suffix_min_token_prob", type=float, default=0.1, metavar="P",
                                help="draft no node whose estimated path probability is below P"),
+                ProposerOption(name="suffix_draft", metavar="PATH",
+                               help="also a draft model (SuffixHybrid): per request and step the suffix "
+                               "tree or the draft's chain, whichever is expected to be faster"),
+                ProposerOption(name="suffix_draft_quantization", choices=("int8", "q4"),
+                               help="store --suffix-draft's linear layers as int8 or 4-bit (CPU)"),
+                ProposerOption(name="suffix_draft_k", type=positive_int_arg, default=4, metavar="N",
+                               help="longest chain --suffix-draft drafts"),
             ),
         ),
     )
@@ -351,12 +358,23 @@ def _build_eagle(options: Mapping[str, object], context: BuildContext) -> Propos
 def _build_suffix(options: Mapping[str, object], context: BuildContext) -> Proposer:
     from specdec.proposers.suffix import SuffixDecoding
 
-    return SuffixDecoding(
+    suffix = SuffixDecoding(
         num_speculative_tokens=options["num_speculative_tokens"],
         max_depth=options["suffix_max_depth"],
         spec_factor=options["suffix_spec_factor"],
         min_token_prob=options["suffix_min_token_prob"],
     )
+    if options.get("suffix_draft") is None:
+        if options.get("suffix_draft_quantization") is not None:
+            raise ValueError("suffix_draft_quantization needs suffix_draft (--suffix-draft PATH)")
+        return suffix
+    from specdec.proposers.draft_model import DraftModel
+    from specdec.proposers.hybrid import SuffixHybrid
+
+    draft = DraftModel.from_pretrained(options["suffix_draft"], num_speculative_tokens=options["suffix_draft_k"],
+                                       dtype=context.dtype, device=context.device,
+                                       quantization=options["suffix_draft_quantization"])  # fmt: skip
+    return SuffixHybrid(draft, suffix)
 
 
 def _build_prompt_lookup(options: Mapping[str, object], context: BuildContext) -> Proposer:

@@ -135,7 +135,7 @@ class SuffixDecoding:
         tokens, parents = [], []
         transforms = ctx.logits_transforms or (None,) * len(ctx.seq_ids)
         for seq_id, history, transform in zip(ctx.seq_ids, ctx.token_ids, transforms):
-            tree = self.draft_tree(self._index(seq_id, history), k)
+            tree = self.tree_for(seq_id, history, k)
             row, links = tree.tokens, tree.parents
             if transform is not None:  # drafts a request's masks forbid could never be kept
                 row, links = transform.allowed(row, links)
@@ -148,6 +148,12 @@ class SuffixDecoding:
             draft_probs=None,  # deterministic drafts: one-hot to the verifier
             parents=pad_rows(parents, k, ctx.device),  # padded with -1 like the drafts
         )
+
+    def tree_for(self, seq_id: int, token_ids: Sequence[int], k: int) -> DraftTree:
+        """The tree request ``seq_id`` would draft after ``token_ids`` with at most ``k``
+        nodes (its index brought up to them first): tokens, parents, expected accepted
+        tokens (``score``), match length."""
+        return self.draft_tree(self._index(seq_id, token_ids), k)
 
     def draft_tree(self, index: _RequestIndex, k: int) -> DraftTree:
         """The best tree of every candidate match in the request's and the global index."""

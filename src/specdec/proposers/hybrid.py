@@ -1,0 +1,286 @@
+"""Suffix decoding where the text repeats, a model where it does not: per request and step.
+
+:class:`SuffixHybrid` holds a :class:`~specdec.proposers.suffix.SuffixDecoding` and one model
+proposer (a draft model, an MTP head or an EAGLE tree). Each step, for each request, it asks
+the suffix indexes for their best tree, then a :class:`HybridRule` decides who drafts for that
+request: the suffix tree (free: no forward pass) or the model (a chain or tree that costs its
+forward passes). The default rule, :class:`CostRule`, compares expected tokens per unit of
+time from what it measures live:
+
+- the suffix tree's expected accepted tokens (its score: path probabilities from the index's
+  counts), times a per-request calibration (accepted / predicted on the request's suffix steps);
+- the model's expected accepted tokens from the request's acceptance rate on its model steps
+  (a chain of k at acceptance a: a + a^2 + ... + a^k; the generator-wide rate before the
+  request has any);
+- the model's drafting time relative to the target pass (both timed here: ``propose`` of the
+  model, and from the end of drafting to ``on_target_step``).
+
+A request drafts from the suffix tree when ``1 + suffix_expected >= (1 + model_expected) /
+(1 + draft_cost)``. How many tokens stay the policy's choice (k per request), and the suffix
+tree shrinks with its match as always.
+
+Lossless with any rule: each request's drafts are verified by the tree rules, a chain as a
+one-path tree (with one child per node the tree rule is the chain rule). When an unseeded
+sampled request takes the model's drafts the proposal carries their distributions; a suffix
+tree's rows are then all zero, which the tree rule judges as fixed (deterministic) choices,
+as it judges a proposal without distributions. Greedy and seeded requests never read them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from specdec.interfaces import ProposeContext, TargetStep
+from specdec.kv.paged import KVSpec
+from specdec.proposers.suffix import SuffixDecoding
+from specdec.proposers.suffix_tree import DraftTree
+from specdec.types import DraftProposal, ProposalKind, RequestEnd, pad_rows
+
+__all__ = ["CostRule", "HybridRule", "SuffixHybrid"]
+
+
+class HybridRule(Protocol):
+    """Decides, per request, whether its suffix tree drafts (``True``) or the model does."""
+
+    def prefer_suffix(self, seq_id: int, tree: DraftTree, k: int) -> bool: ...
+
+    def value(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
+        """(expected tokens per step-time from the suffix tree, from the model)."""
+        ...
+
+    def observe(self, seq_id: int, used_suffix: bool, predicted: float, drafted: int, accepted: int) -> None: ...
+
+    def observe_times(self, draft_s: float | None, target_s: float) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...
+
+
+def chain_expectation(acceptance: float, k: int) -> float:
+    """Expected accepted drafts of a k-chain whose tokens are each accepted with
+    ``acceptance`` until the first rejection: a + a^2 + ... + a^k.
+
+    >>> round(chain_expectation(0.5, 3), 3)
+    0.875
+    """
+    a = min(max(acceptance, 0.0), 0.999)
+    return a * (1 - a**k) / (1 - a)
+
+
+@attrs.define
+class _RequestStats:
+    suffix_ratio: float = 1.0  # accepted / predicted on suffix steps (EMA)
+    model_acceptance: float | None = None  # accepted / drafted on model steps (EMA)
+
+
+@attrs.define
+class CostRule:
+    """The default :class:`HybridRule`: expected tokens per unit of time, from live acceptance
+    and measured costs (see the module docstring). ``decay``: weight of the newest
+    observation in every moving average."""
+
+    decay: float = 0.3
+    prior_acceptance: float = 0.6  # the model's acceptance before anything is measured
+    draft_cost: float = 0.0  # model drafting time / target pass time (EMA, measured)
+    model_acceptance: float | None = None  # generator-wide (EMA)
+    _requests: dict[int, _RequestStats] = attrs.field(factory=dict)
+
+    def _stats(self, seq_id: int) -> _RequestStats:
+        return self._requests.setdefault(seq_id, _RequestStats())
+
+    def value(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
+        stats = self._stats(seq_id)
+        suffix = 1.0 + stats.suffix_ratio * tree.score
+        rate = stats.model_acceptance
+        if rate is None:
+            rate = self.prior_acceptance if self.model_acceptance is None else self.model_acceptance
+        model = (1.0 + chain_expectation(rate, k)) / (1.0 + self.draft_cost)
+        return suffix, model
+
+    def prefer_suffix(self, seq_id: int, tree: DraftTree, k: int) -> bool:
+        if not tree.tokens:
+            return False
+        suffix, model = self.value(seq_id, tree, k)
+        return suffix >= model
+
+    def observe(self, seq_id: int, used_suffix: bool, predicted: float, drafted: int, accepted: int) -> None:
+        stats = self._stats(seq_id)
+        d = self.decay
+        if used_suffix:
+            if predicted > 0:
+                stats.suffix_ratio += d * (min(accepted / predicted, 4.0) - stats.suffix_ratio)
+        elif drafted:
+            rate = accepted / drafted
+            stats.model_acceptance = rate if stats.model_acceptance is None else (
+                stats.model_acceptance + d * (rate - stats.model_acceptance))  # fmt: skip
+            self.model_acceptance = rate if self.model_acceptance is None else (
+                self.model_acceptance + 0.1 * (rate - self.model_acceptance))  # fmt: skip
+
+    def observe_times(self, draft_s: float | None, target_s: float) -> None:
+        if draft_s is not None and target_s > 0:
+            self.draft_cost += self.decay * (draft_s / target_s - self.draft_cost)
+
+    def release(self, seq_id: int) -> None:
+        self._requests.pop(seq_id, None)
+
+
+class SuffixHybrid:
+    """Suffix decoding and a model proposer, chosen per request and step (module docstring).
+
+    Example:
+        >>> hybrid = SuffixHybrid(DraftModel.from_pretrained("qwen2.5-coder-0.5b-instruct",
+        ...                                                  num_speculative_tokens=6))
+        >>> gen = Generator.from_pretrained("qwen2.5-coder-1.5b-instruct", proposer=hybrid)
+    """
+
+    kind = ProposalKind.TREE
+
+    def __init__(self, model, suffix: SuffixDecoding | None = None, *, rule: HybridRule | None = None) -> None:
+        if getattr(model, "kind", None) not in (ProposalKind.CHAIN, ProposalKind.TREE):
+            raise TypeError(f"model must be a chain or tree proposer, got {type(model).__name__}")
+        if isinstance(model, (SuffixDecoding, SuffixHybrid)):
+            raise TypeError("model must be a model proposer (a draft model, an MTP head, an EAGLE tree)")
+        self.model = model
+        self.suffix = suffix if suffix is not None else SuffixDecoding()
+        if not isinstance(self.suffix, SuffixDecoding):
+            raise TypeError(f"suffix must be a SuffixDecoding, got {type(self.suffix).__name__}")
+        self.rule = rule if rule is not None else CostRule()
+        self.num_speculative_tokens = max(model.num_speculative_tokens, self.suffix.num_speculative_tokens)
+        self.needs_target_hidden = model.needs_target_hidden
+        self._steps: dict[int, tuple[bool, float, int]] = {}  # seq_id -> (suffix?, predicted, drafted)
+        self._draft_s: float | None = None
+        self._drafted_at: float | None = None
+        self.num_suffix_steps = 0  # request steps drafted by each side, for metrics and tests
+        self.num_model_steps = 0
+
+    # ---- what the generator reads: the model's pools, hidden states, prefix caching ---------
+
+    def kv_specs(self) -> tuple[KVSpec, ...]:
+        return self.model.kv_specs()
+
+    def attach(self, target) -> None:
+        if hasattr(self.model, "attach"):
+            self.model.attach(target)
+
+    @property
+    def target_hidden_layers(self):
+        return getattr(self.model, "target_hidden_layers", None)
+
+    def __getattr__(self, name: str):
+        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) and CapturesGraphs
+        # are the model's: present exactly when the model has them.
+        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix"):
+            return getattr(self.__dict__["model"], name)
+        raise AttributeError(name)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def on_request_start(self, seq_id: int, prompt_ids: Sequence[int]) -> None:
+        self.suffix.on_request_start(seq_id, prompt_ids)
+        if hasattr(self.model, "on_request_start"):
+            self.model.on_request_start(seq_id, prompt_ids)
+
+    def on_request_end(self, seq_id: int, reason: RequestEnd) -> None:
+        self.suffix.on_request_end(seq_id, reason)
+        if hasattr(self.model, "on_request_end"):
+            self.model.on_request_end(seq_id, reason)
+
+    def release(self, seq_id: int) -> None:
+        self.suffix.release(seq_id)
+        self.model.release(seq_id)
+        self.rule.release(seq_id)
+        self._steps.pop(seq_id, None)
+
+    def on_target_step(self, step: TargetStep) -> None:
+        if self._drafted_at is not None:  # the target pass of the step this proposer drafted
+            self.rule.observe_times(self._draft_s, time.perf_counter() - self._drafted_at)
+            self._drafted_at = None
+        for seq_id, accepted in zip(step.seq_ids, step.num_accepted):
+            taken = self._steps.pop(seq_id, None)
+            if taken is not None:
+                used_suffix, predicted, drafted = taken
+                self.rule.observe(seq_id, used_suffix, predicted, drafted, accepted)
+        self.suffix.on_target_step(step)
+        self.model.on_target_step(step)
+
+    # ---- drafting --------------------------------------------------------------------------
+
+    def propose(self, ctx: ProposeContext) -> DraftProposal:
+        k = ctx.num_speculative_tokens
+        k_suffix = min(k, self.suffix.num_speculative_tokens)
+        k_model = min(k, self.model.num_speculative_tokens)  # each side within its own width
+        n = len(ctx.seq_ids)
+        trees = [self.suffix.tree_for(s, h, k_suffix) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
+        use_suffix = [self.rule.prefer_suffix(s, t, k_model) for s, t in zip(ctx.seq_ids, trees)]
+        model_rows = [i for i in range(n) if not use_suffix[i]]
+        model_out, self._draft_s = None, None
+        if model_rows:
+            start = time.perf_counter()
+            model_out = self.model.propose(_select(ctx, model_rows, k_model))
+            self._draft_s = time.perf_counter() - start
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        parents: list[list[int]] = [[] for _ in range(n)]
+        transforms = ctx.logits_transforms or (None,) * n
+        for i in range(n):
+            if use_suffix[i]:
+                tokens[i], parents[i] = trees[i].tokens, trees[i].parents
+                if transforms[i] is not None:  # drafts the request's masks forbid: pruned
+                    tokens[i], parents[i] = transforms[i].allowed(tokens[i], parents[i])
+        probs = self._merge_model(model_out, model_rows, tokens, parents, ctx, k)
+        for i, seq_id in enumerate(ctx.seq_ids):
+            predicted = trees[i].score if use_suffix[i] else 0.0
+            self._steps[seq_id] = (use_suffix[i], predicted, len(tokens[i]))
+        self.num_suffix_steps += sum(use_suffix)
+        self.num_model_steps += n - sum(use_suffix)
+        self._drafted_at = time.perf_counter()
+        return DraftProposal(
+            kind=ProposalKind.TREE,
+            draft_token_ids=pad_rows(tokens, k, ctx.device),  # [batch, k]
+            num_draft_tokens=tuple(len(t) for t in tokens),
+            draft_probs=probs,  # [batch, k, vocab] or None (one-hot drafts)
+            parents=pad_rows(parents, k, ctx.device),  # [batch, k], -1 padded
+        )
+
+    def _merge_model(self, out: DraftProposal | None, rows: list[int], tokens, parents, ctx, k) -> torch.Tensor | None:
+        """Put the model's drafts of ``rows`` into ``tokens``/``parents`` (a chain as a
+        one-path tree); its draft distributions when some unseeded sampled request reads them."""
+        if out is None:
+            return None
+        ids = out.draft_token_ids.tolist()
+        links = out.parents.tolist() if out.parents is not None else None
+        for j, i in enumerate(rows):
+            m = out.num_draft_tokens[j]
+            tokens[i] = ids[j][:m]
+            parents[i] = links[j][:m] if links is not None else list(range(-1, m - 1))
+        streamed = any(not ctx.params[i].is_greedy and ctx.params[i].seed is None for i in rows)
+        if out.draft_probs is None or not streamed:
+            return None  # only unseeded sampled requests read them
+        vocab = out.draft_probs.shape[-1]
+        probs = torch.zeros(len(tokens), k, vocab, dtype=out.draft_probs.dtype, device=out.draft_probs.device)
+        width = min(k, out.draft_probs.shape[1])
+        index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+        probs[index, :width] = out.draft_probs[:, :width]
+        return probs  # [batch, k, vocab]; suffix rows all zero: judged as fixed choices
+
+
+def _select(ctx: ProposeContext, rows: list[int], k: int) -> ProposeContext:
+    """``ctx`` for the requests ``rows`` only, drafting at most ``k``."""
+
+    def pick(values):
+        return tuple(values[i] for i in rows) if values else values
+
+    return attrs.evolve(
+        ctx,
+        num_speculative_tokens=k,
+        seq_ids=pick(ctx.seq_ids),
+        token_ids=pick(ctx.token_ids),
+        params=pick(ctx.params),
+        generators=pick(ctx.generators),
+        prompt_lens=pick(ctx.prompt_lens),
+        logits_transforms=pick(ctx.logits_transforms),
+        sampling=None if ctx.sampling is None or len(rows) == len(ctx.seq_ids) else ctx.sampling.select_rows(rows),
+    )

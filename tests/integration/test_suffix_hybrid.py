@@ -1,0 +1,118 @@
+"""SuffixHybrid through the real Generator: suffix trees where the text repeats, the draft
+model elsewhere, per request and step, and the output of plain decoding throughout.
+
+Greedy and seeded outputs equal plain decoding at batch > 1, in rounds that repeat earlier
+requests (so both sides draft, in the same batches), under preemption, and with a rule that
+chooses at random. The cost rule's arithmetic is checked on its own. (Its distribution at
+T > 0: tests/integration/test_lossless_engine.py, the ``hybrid`` cases and their negative
+control.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import perturbed
+
+from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
+from specdec.codec import load_tokenizer
+from specdec.models.loading import load_model
+from specdec.proposers import DraftModel, SuffixDecoding, SuffixHybrid
+from specdec.proposers.hybrid import CostRule, chain_expectation
+from specdec.proposers.suffix_tree import DraftTree
+
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play",
+    "Tom had a big red ball. He liked to play with it every day. One day",
+    "The sun was hot.",
+    "Sue and her mom went to the park. They saw a big dog. The dog",
+]
+GREEDY = SamplingParams(max_new_tokens=48)
+SEEDED = SamplingParams(max_new_tokens=48, temperature=0.8, top_p=0.95, seed=3)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    target, _, _ = load_model(stories_path, dtype="float64")
+    return target, perturbed(target, 0.2, seed=4), load_tokenizer(stories_path)
+
+
+class RandomRule(CostRule):
+    """Chooses each side at random (any rule must keep the output)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+
+    def prefer_suffix(self, seq_id, tree, k) -> bool:
+        return bool(tree.tokens) and self.rng.random() < 0.5
+
+
+def _pair(stories, cache=None, rule=None):
+    target, draft, tok = stories
+    plain = Generator.from_components(target, tok, cache_config=cache)
+    hybrid = SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=4),
+                          SuffixDecoding(num_speculative_tokens=8), rule=rule)  # fmt: skip
+    gen = Generator.from_components(target, tok, proposer=hybrid, cache_config=cache, policy=FixedPolicy(8))
+    return plain, gen, hybrid
+
+
+@pytest.mark.parametrize("rule", ["cost", "random"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_outputs_equal_plain_decoding(stories, params, rule):
+    plain, gen, hybrid = _pair(stories, rule=RandomRule(0) if rule == "random" else None)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    for _ in range(3):  # later rounds repeat earlier ones: the suffix trees find them
+        assert [o.token_ids for o in gen.generate(PROMPTS, params)] == expected
+    assert hybrid.num_suffix_steps > 0 and hybrid.num_model_steps > 0, (hybrid.num_suffix_steps,
+                                                                         hybrid.num_model_steps)  # fmt: skip
+    assert hybrid.suffix._requests == {} and hybrid.rule._requests == {} and hybrid._steps == {}
+
+
+def test_repeats_go_to_the_suffix_trees_and_fresh_text_to_the_model(stories):
+    _, gen, hybrid = _pair(stories)
+    gen.generate(PROMPTS[:2], GREEDY)
+    first = (hybrid.num_suffix_steps, hybrid.num_model_steps)
+    assert first[1] > first[0]  # fresh text: mostly the draft model
+    gen.generate(PROMPTS[:2], GREEDY)
+    suffix, model = hybrid.num_suffix_steps - first[0], hybrid.num_model_steps - first[1]
+    assert suffix > model, (suffix, model)  # the same requests again: mostly the suffix trees
+    assert hybrid.rule.draft_cost > 0  # measured
+
+
+def test_preemption_keeps_outputs(stories):
+    cache = CacheConfig(page_size=4, num_pages=48, max_batch_size=4)
+    plain, gen, hybrid = _pair(stories, cache, rule=RandomRule(1))
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    for _ in range(2):
+        assert [o.token_ids for o in gen.generate(PROMPTS, GREEDY)] == expected
+    assert gen.scheduler.num_preemptions > 0
+    stats = gen.kv_stats()
+    assert stats["num_used_pages"] == 0
+
+
+def test_cost_rule():
+    assert chain_expectation(0.0, 4) == 0.0
+    assert chain_expectation(1.0, 4) == pytest.approx(4 * 0.999, rel=1e-2)
+    rule = CostRule()
+    tree = DraftTree([5, 6, 7], [-1, 0, 1], score=2.5, match_len=6)
+    assert rule.prefer_suffix(1, tree, 4)  # 3.5 >= 1 + 0.6 + 0.36 + ... = 2.3
+    assert not rule.prefer_suffix(1, DraftTree([], [], 0.0, 0), 4)  # nothing to draft
+    weak = DraftTree([5], [-1], score=0.3, match_len=1)
+    assert not rule.prefer_suffix(1, weak, 4)
+    rule.observe_times(draft_s=0.5, target_s=0.25)  # drafting costs twice the target pass...
+    rule.observe_times(draft_s=0.5, target_s=0.25)
+    rule.observe_times(draft_s=0.5, target_s=0.25)
+    assert rule.prefer_suffix(1, weak, 4)  # ... so a weak free tree beats it
+    rule.observe(2, used_suffix=True, predicted=2.0, drafted=3, accepted=0)  # over-confident tree
+    assert rule.value(2, tree, 4)[0] < rule.value(1, tree, 4)[0]
+    rule.release(2)
+    assert 2 not in rule._requests
+
+
+def test_bad_arguments(stories):
+    with pytest.raises(TypeError, match="model"):
+        SuffixHybrid(SuffixDecoding())
+    with pytest.raises(TypeError, match="suffix"):
+        SuffixHybrid(DraftModel.from_model(stories[1], num_speculative_tokens=2), suffix="no")
