@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from specdec.codec import TextCodec
 from specdec.output import GenerationOutput, output_of
-from specdec.request import FinishReason, Request, RequestView
+from specdec.request import FinishReason, Request, RequestView, TokenLogprob
 from specdec.stepping import StepLoop, raise_if_failed
 
 __all__ = ["RequestHandle", "TextDeltas"]
@@ -97,9 +97,24 @@ class RequestHandle:
         return self._loop.progress(self._req, None)
 
     def output(self) -> GenerationOutput:
-        """The output as it stands, without stepping (``result()`` once the request ended)."""
+        """The output as it stands, without stepping (``result()`` once the request ended).
+        An ended request no longer changes, so that read takes no lock (never waits for a
+        step: an event loop may call it)."""
+        if self._req.finished:
+            return output_of(self._req, self._codec)
         with self._loop.lock:
             return output_of(self._req, self._codec)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (fixed at submission; read without a lock)."""
+        return list(self._req.prompt_ids)
+
+    def token_logprobs(self, start: int, stop: int) -> list[TokenLogprob]:
+        """The log-probabilities of output tokens ``start .. stop - 1`` (``logprobs`` params;
+        ``stop`` at most a snapshot's output length). Recorded entries never change, so this
+        takes no lock."""
+        return list(self._req.logprobs[start:stop])
 
     def text_deltas(self) -> TextDeltas:
         """A :class:`TextDeltas` that turns this request's snapshots into text deltas."""

@@ -204,8 +204,7 @@ class _Server:
         self.admit(len(prompts) * params.n)
         handles = self._submit(prompts, params, prompt_field, body)
         sub = self.driver.subscribe(handles, asyncio.get_running_loop())
-        self.metrics.prompt_tokens.inc(sum(len(handles[i * params.n].output().prompt_token_ids)
-                                           for i in range(len(prompts))))  # fmt: skip
+        self.metrics.prompt_tokens.inc(sum(len(handles[i * params.n].prompt_token_ids) for i in range(len(prompts))))
         timing = _Timing(arrival, len(handles))
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -213,7 +212,8 @@ class _Server:
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         try:
-            await self._wait(sub, timing, http)
+            if not await self._wait(sub, timing, http):
+                return Response(status_code=499)  # nobody is listening (nginx's "client closed")
         finally:
             sub.cancel()  # only a client gone (or an error) leaves any running
             self._observe(sub.handles, timing)
@@ -236,8 +236,8 @@ class _Server:
             raise APIError(message, param=field) from None
         return handles
 
-    async def _wait(self, sub: Subscription, timing: _Timing, http: Request) -> None:
-        """Until every request of ``sub`` ended; a client gone cancels them."""
+    async def _wait(self, sub: Subscription, timing: _Timing, http: Request) -> bool:
+        """Until every request of ``sub`` ended (``True``) or the client is gone (``False``)."""
         done = [h.done for h in sub.handles]
         poll = self.config.disconnect_poll_s
         next_check = time.monotonic() + poll
@@ -245,12 +245,13 @@ class _Server:
             item = await sub.next(poll)
             if time.monotonic() >= next_check:  # snapshots arrive every step: check by the clock
                 if await http.is_disconnected():
-                    return
+                    return False
                 next_check = time.monotonic() + poll
             if item is not None:
                 i, view = item
                 timing.saw(i, view)
                 done[i] = view.finished
+        return True
 
     async def _events(self, shape: Shape, sub: Subscription, params: SamplingParams, timing: _Timing,
                       include_usage: bool) -> AsyncIterator[str]:  # fmt: skip
@@ -269,7 +270,7 @@ class _Server:
                 text = deltas[i].pull(view)
                 entries = None
                 if params.logprobs is not None and len(view.output_ids) > sent[i]:
-                    entries = (sub.handles[i].output().logprobs or [])[sent[i] : len(view.output_ids)]
+                    entries = sub.handles[i].token_logprobs(sent[i], len(view.output_ids))
                 sent[i] = len(view.output_ids)
                 if text or entries:
                     yield _sse(shape.chunk(i, text, entries))
