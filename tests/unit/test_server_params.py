@@ -35,6 +35,8 @@ def test_every_completion_field_reaches_its_params_field():
 def test_openai_defaults():
     params = completion_sampling_params(CompletionRequest(prompt="x"), salt=None)
     assert (params.max_new_tokens, params.temperature, params.n) == (16, 1.0, 1)  # OpenAI's defaults
+    nulls = CompletionRequest(prompt="x", max_tokens=None, temperature=None, top_p=None)
+    assert completion_sampling_params(nulls, salt=None) == params  # null is the default
     chat = chat_sampling_params(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), salt=None,
                                 max_tokens=100)  # fmt: skip
     assert chat.max_new_tokens == 100 and chat.logprobs is None

@@ -15,6 +15,7 @@ from specdec.server.protocol import ChatCompletionRequest, CompletionRequest
 __all__ = ["chat_sampling_params", "completion_sampling_params", "renamed", "request_field", "structured_fields", "structured_message"]
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's default; greedy decoding is temperature 0
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 _STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -25,7 +26,8 @@ def completion_sampling_params(body: CompletionRequest, *, salt: str | None) -> 
         raise APIError("suffix is not supported (no fill-in-the-middle)", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(f"best_of must equal n ({body.n}) or be omitted; got {body.best_of}", param="best_of")
-    return _sampling_params(body, max_tokens=body.max_tokens, max_tokens_field="max_tokens",
+    max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens  # null: the default
+    return _sampling_params(body, max_tokens=max_tokens, max_tokens_field="max_tokens",
                             logprobs=body.logprobs, logprobs_field="logprobs", salt=salt)  # fmt: skip
 
 

@@ -76,7 +76,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default
+    max_tokens: int | None = None  # None: OpenAI's default, 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
