@@ -262,6 +262,9 @@ def test_unknown_model_is_404_and_bad_json_400(client, served):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(served[1] + "/v1/completions", json={"prompt": [], "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    for echo in (False, True):  # ids outside the vocabulary, echoed or not
+        r = httpx.post(served[1] + "/v1/completions", json={"prompt": [1, 10**6], "max_tokens": 3, "echo": echo})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_models_health_and_metrics(gen, client, served):

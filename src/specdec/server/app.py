@@ -76,7 +76,7 @@ def build_app(generator, config: ServerConfig | str) -> FastAPI:
         server.metrics.request_rejected(400)
         return error_response(_validation_error(exc))
 
-    def authorize(request: Request) -> str | None:
+    async def authorize(request: Request) -> str | None:  # async: no thread-pool hop per request
         return server.authorize(request.headers.get("authorization"))
 
     @app.get("/health")
@@ -186,7 +186,12 @@ class _Server:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.gen.decode(prompt)
+        if isinstance(prompt, str):
+            return prompt
+        vocab = self.gen.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return self.gen.decode(prompt)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
