@@ -189,3 +189,18 @@ class running_server:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self._thread.join(60)
+
+
+def coin_rule(seed: int):
+    """A SuffixHybrid rule choosing the suffix tree or the model by coin flips (any rule must
+    keep the output and its distribution), learning like the cost rule otherwise."""
+    import random
+
+    from specdec.proposers.hybrid import CostRule
+
+    class CoinRule(CostRule):
+        def prefer_suffix(self, seq_id, tree, k) -> bool:
+            return bool(tree.tokens) and rng.random() < 0.5
+
+    rng = random.Random(seed)
+    return CoinRule()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import random
 import sys
 from unittest import mock
 
@@ -36,7 +35,7 @@ import attrs
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import ScriptedPolicy, chi_square_pvalue
+from helpers import ScriptedPolicy, chi_square_pvalue, coin_rule
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams, noise
 from specdec.models.llama import ModelConfig
@@ -44,7 +43,6 @@ from specdec.models.loading import model_from_state_dict
 from specdec.models.mtp_head import MTPModule as MTPHeadModel
 from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
 from specdec.proposers import DraftModel, MTPHead, PromptLookup, SuffixDecoding, SuffixHybrid
-from specdec.proposers.hybrid import CostRule
 from specdec.sampling import SamplingTensors, make_generator, processed_probs
 from specdec.verify import chain
 from specdec.verify.chain import ChainVerifier
@@ -171,7 +169,7 @@ def _proposer(models, kind: str, k: int):
         return SuffixDecoding(num_speculative_tokens=k, spec_offset=float(k), min_token_prob=0.05)
     if kind == "hybrid":
         suffix = SuffixDecoding(num_speculative_tokens=k, spec_offset=float(k), min_token_prob=0.05)
-        return SuffixHybrid(DraftModel.from_model(models[2], num_speculative_tokens=k), suffix, rule=_CoinRule(5))
+        return SuffixHybrid(DraftModel.from_model(models[2], num_speculative_tokens=k), suffix, rule=coin_rule(5))
     # "mtp-vocab": the head drafts from 7 of the 12 tokens only (zero draft mass elsewhere);
     # "mtp-confident": chains end after a draft of head probability < 0.15.
     vocab = torch.tensor([0, 1, 3, 4, 7, 9, 10]) if kind == "mtp-vocab" else None
@@ -179,17 +177,6 @@ def _proposer(models, kind: str, k: int):
     return MTPHead.from_model(
         build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab, confidence_threshold=threshold
     )
-
-
-class _CoinRule(CostRule):
-    """SuffixHybrid's choices by coin flips (every rule must keep the distribution)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.rng = random.Random(seed)
-
-    def prefer_suffix(self, seq_id, tree, k) -> bool:
-        return bool(tree.tokens) and self.rng.random() < 0.5
 
 
 def _params(case: Case, seed: int | None) -> SamplingParams:

@@ -10,10 +10,8 @@ control.)
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from helpers import perturbed
+from helpers import coin_rule, perturbed
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.codec import load_tokenizer
@@ -38,17 +36,6 @@ def stories(stories_path):
     return target, perturbed(target, 0.2, seed=4), load_tokenizer(stories_path)
 
 
-class RandomRule(CostRule):
-    """Chooses each side at random (any rule must keep the output)."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.rng = random.Random(seed)
-
-    def prefer_suffix(self, seq_id, tree, k) -> bool:
-        return bool(tree.tokens) and self.rng.random() < 0.5
-
-
 def _pair(stories, cache=None, rule=None):
     target, draft, tok = stories
     plain = Generator.from_components(target, tok, cache_config=cache)
@@ -61,7 +48,7 @@ def _pair(stories, cache=None, rule=None):
 @pytest.mark.parametrize("rule", ["cost", "random"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_outputs_equal_plain_decoding(stories, params, rule):
-    plain, gen, hybrid = _pair(stories, rule=RandomRule(0) if rule == "random" else None)
+    plain, gen, hybrid = _pair(stories, rule=coin_rule(0) if rule == "random" else None)
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
     for _ in range(3):  # later rounds repeat earlier ones: the suffix trees find them
         assert [o.token_ids for o in gen.generate(PROMPTS, params)] == expected
@@ -83,7 +70,7 @@ def test_repeats_go_to_the_suffix_trees_and_fresh_text_to_the_model(stories):
 
 def test_preemption_keeps_outputs(stories):
     cache = CacheConfig(page_size=4, num_pages=48, max_batch_size=4)
-    plain, gen, hybrid = _pair(stories, cache, rule=RandomRule(1))
+    plain, gen, hybrid = _pair(stories, cache, rule=coin_rule(1))
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     for _ in range(2):
         assert [o.token_ids for o in gen.generate(PROMPTS, GREEDY)] == expected
