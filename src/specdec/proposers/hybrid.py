@@ -171,8 +171,8 @@ class SuffixHybrid:
         return getattr(self.model, "target_hidden_layers", None)
 
     def __getattr__(self, name: str):
-        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) and CapturesGraphs
-        # are the model's: present exactly when the model has them.
+        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) is the model's:
+        # present exactly when the model has it. (No CapturesGraphs: the model drafts eagerly.)
         if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix"):
             return getattr(self.__dict__["model"], name)
         raise AttributeError(name)
