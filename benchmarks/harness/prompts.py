@@ -11,16 +11,26 @@ from benchmarks.common import PROSE_PROMPTS, humaneval_prompts
 
 @attrs.frozen
 class PromptSet:
-    """A named list of prompts; ``chat`` ones go through the target's chat template."""
+    """A named list of prompts; ``chat`` ones go through the target's chat template; ids count
+    from ``first`` (a slice's place in its source)."""
 
     name: str
     id_prefix: str
     load: Callable[[int | None], list[str]]
     chat: bool
+    first: int = 0
 
 
 def _prose_prompts(n: int | None) -> list[str]:
     return PROSE_PROMPTS[:n] if n else list(PROSE_PROMPTS)
+
+
+HELDOUT_FIRST = 100  # no policy or kernel was tuned on HumanEval 100 onwards (2026-12-05)
+
+
+def _heldout_prompts(n: int | None) -> list[str]:
+    rest = humaneval_prompts()[HELDOUT_FIRST:]
+    return rest[:n] if n else rest
 
 
 PROMPT_SETS = {
@@ -28,6 +38,8 @@ PROMPT_SETS = {
     for s in (
         PromptSet("humaneval", "HumanEval/", humaneval_prompts, chat=False),
         PromptSet("prose", "prose/", _prose_prompts, chat=True),
+        PromptSet("humaneval-heldout", "HumanEval/", _heldout_prompts, chat=False,
+                  first=HELDOUT_FIRST),  # fmt: skip
     )
 }
 
@@ -56,5 +68,6 @@ def tokenize_prompts(tokenizer, prompt_set: PromptSet, n: int | None) -> list[Pr
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(text)
-        out.append(Prompt(prompt_set.name, f"{prompt_set.id_prefix}{i}", tuple(ids)))
+        name = f"{prompt_set.id_prefix}{prompt_set.first + i}"
+        out.append(Prompt(prompt_set.name, name, tuple(ids)))
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 
@@ -18,6 +19,8 @@ from specdec.policy import (
     FixedPolicy,
     acceptance_estimate,
     expected_emitted,
+    position_hazards,
+    survival,
 )
 from specdec.policy import cost_model as policy_module
 from specdec.policy.tree import TreeSizer
@@ -76,6 +79,21 @@ def test_acceptance_estimate_prior():
 def test_acceptance_estimate_rejects_bad_input(args):
     with pytest.raises(ValueError):
         acceptance_estimate(*args)
+
+
+def test_position_hazards_are_counts_with_a_prior_per_position():
+    assert position_hazards([8.0, 3.0], [10.0, 4.0], [0.6, 0.6, 0.6], 0.0) == [0.8, 0.75, 0.6]
+    assert position_hazards([0.0], [0.0], [0.7], 5.0) == [0.7]  # nothing judged: the prior
+    assert position_hazards([1.0], [1.0], [0.5], 1.0) == [0.75]
+    with pytest.raises(ValueError, match="prior_weight"):
+        position_hazards([], [], [0.5], -1.0)
+
+
+def test_survival_is_the_running_product_and_matches_the_geometric_model():
+    assert survival([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
+    assert survival([]) == []
+    for a, k in ((0.3, 4), (0.8, 6), (1.0, 3)):
+        assert 1 + sum(survival([a] * k)) == pytest.approx(expected_emitted(a, k))
 
 
 def test_policy_acceptance_decays_toward_recent_steps():
@@ -210,7 +228,7 @@ def context(batch: int, caps: int | list[int] = 100, params=GREEDY, unseen: int 
 
 def estimated_rate(policy: AdaptivePolicy, ctx: SpeculationContext, ks) -> float:
     """Expected emitted tokens per second of plan ``ks`` under the policy's cost estimates."""
-    emitted = sum(expected_emitted(policy.acceptance(s), k) for s, k in zip(ctx.seq_ids, ks))
+    emitted = sum(policy.expected_emitted(s, k) for s, k in zip(ctx.seq_ids, ks))
     drafting = sum(k > 0 for k in ks)
     return emitted / policy.step_seconds(sum(k + 1 for k in ks), drafting, max(ks))
 
@@ -302,6 +320,71 @@ def test_plan_is_close_to_the_brute_force_optimum():
     best = max(estimated_rate(policy, ctx, ks) for ks in itertools.product(range(4), repeat=3))
     chosen = estimated_rate(policy, ctx, policy.choose(ctx))
     assert chosen >= 0.99 * best
+
+
+def mixture_rate(k: int, easy: float, hard: float, share: float, draft_share: float) -> float:
+    """True emitted tokens per second at fixed ``k`` when a step's drafts follow ``easy``
+    acceptance with probability ``share`` and ``hard`` otherwise (a stretch of boilerplate or
+    of new code), a step costing ``0.1 + 0.002 * rows`` s and a draft ``draft_share`` of 0.1 s."""
+    emitted = 1 + sum(share * easy**j + (1 - share) * hard**j for j in range(1, k + 1))
+    return emitted / (0.1 + 0.002 * (k + 1) + draft_share * 0.1 * k)
+
+
+def mixture_policy(easy: float, hard: float, share: float, draft_share: float) -> AdaptivePolicy:
+    """A policy that has measured those costs and 400 steps of 8 drafts from that mixture."""
+    policy = AdaptivePolicy()
+    for rows in (*range(1, 16), 16, 32, 64):
+        policy.observe_target(rows, 0.1 + 0.002 * rows)
+    policy.observe_propose(1, 1, draft_share * 0.1, unseen=0)
+    rng = random.Random(0)
+    for s in range(20):
+        for _ in range(20):
+            a = easy if rng.random() < share else hard
+            accepted = 0
+            while accepted < 8 and rng.random() < a:
+                accepted += 1
+            policy.observe_verify(s, 8, accepted)
+    return policy
+
+
+def test_position_acceptances_price_long_drafts_in_mixed_text():
+    """Easy and hard stretches: a draft after accepted drafts is likelier right than the first
+    (position hazards rise), so one acceptance for all positions under-prices long drafts."""
+    args = (0.99, 0.2, 0.5, 0.15)
+    policy = mixture_policy(*args)
+    hazards = policy.global_hazards(8)
+    assert hazards[0] < 0.7 < 0.9 < min(hazards[2:])
+    rates = {k: mixture_rate(k, *args) for k in range(9)}
+    ctx = SpeculationContext(seq_ids=(99,), params=(GREEDY,), caps=(100,), unseen=(0,), max_k=8)
+    (k,) = policy.choose(ctx)
+    assert rates[k] >= 0.98 * max(rates.values())
+
+
+def test_negative_control_one_acceptance_for_every_position_drafts_too_little():
+    """The geometric model (one acceptance, a^j for the j-th draft) picks a shorter draft on
+    the same mixture and loses more than the test above allows."""
+    args = (0.99, 0.2, 0.5, 0.15)
+    policy = mixture_policy(*args)
+    a = policy.global_acceptance()
+    geometric = max(
+        range(9), key=lambda k: expected_emitted(a, k) / policy.step_seconds(k + 1, k > 0, k)
+    )
+    rates = {k: mixture_rate(k, *args) for k in range(9)}
+    assert rates[geometric] < 0.96 * max(rates.values())
+
+
+def test_survival_shrinks_a_request_toward_the_generator_per_position():
+    policy = AdaptivePolicy()
+    assert policy.survival(5, 3) == pytest.approx([0.6, 0.36, 0.216])  # the prior throughout
+    for _ in range(40):
+        policy.observe_verify(0, 4, 4)  # request 0 always right
+        policy.observe_verify(1, 4, 0)  # request 1 always wrong at the first draft
+    good, bad = policy.survival(0, 4), policy.survival(1, 4)
+    assert good[0] > 0.8 and bad[0] < 0.2  # ~10 decayed steps against 5 prior ones
+    assert all(x >= y for x, y in itertools.pairwise(good))  # never rises with j
+    assert policy.expected_emitted(0, 4) == pytest.approx(1 + sum(good))
+    policy.release(1)
+    assert policy.survival(1, 4) == pytest.approx(policy.survival(7, 4))  # back to the generator's
 
 
 def test_negative_control_cost_blind_policy_loses_under_compute_bound_costs():

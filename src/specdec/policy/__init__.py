@@ -10,10 +10,12 @@ emitted tokens per second of the step, from three things it measures as it runs:
   (:class:`CostCurve` over every target pass: prefill, plain decode, verification);
 - the seconds of drafting one token, as a function of the drafting batch size, and of a
   stateful proposer catching up on tokens it skipped (a draft model after steps at k = 0);
-- each request's per-position acceptance (:func:`acceptance_estimate`).
+- each request's acceptance at each draft position given the earlier ones were accepted
+  (:func:`position_hazards`, shrunk toward the generator's).
 
-With acceptance ``a`` and ``k`` drafts a step emits :func:`expected_emitted` ``(1 - a^(k+1)) /
-(1 - a)`` tokens on average (a draft is kept only if every earlier one was). :class:`FixedPolicy`
+With acceptance ``a`` at every position and ``k`` drafts a step emits :func:`expected_emitted`
+``(1 - a^(k+1)) / (1 - a)`` tokens on average (a draft is kept only if every earlier one was);
+with one acceptance per position it emits ``1 + sum(survival(hazards)[:k])``. :class:`FixedPolicy`
 always drafts the same k (the behaviour before the adaptive policy).
 
 Modules: :mod:`~specdec.policy.acceptance` (the acceptance model, pure functions),
@@ -26,7 +28,12 @@ Example:
     >>> gen = Generator.from_pretrained(target, proposer=draft, policy=FixedPolicy(4))
 """
 
-from specdec.policy.acceptance import acceptance_estimate, expected_emitted
+from specdec.policy.acceptance import (
+    acceptance_estimate,
+    expected_emitted,
+    position_hazards,
+    survival,
+)
 from specdec.policy.adaptive import AdaptivePolicy, AdaptivePolicyConfig
 from specdec.policy.cost_model import EXACT_SIZES, CostCurve, Extrapolation, cost_bucket
 from specdec.policy.fixed import FixedPolicy
@@ -43,4 +50,6 @@ __all__ = [
     "TreeSizer",
     "acceptance_estimate",
     "expected_emitted",
+    "position_hazards",
+    "survival",
 ]

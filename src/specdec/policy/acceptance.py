@@ -5,6 +5,13 @@ A step with ``k`` drafts is a run of accepted drafts ended by one rejection or b
 drafts; with a per-position acceptance ``a`` it emits :func:`expected_emitted` tokens on average,
 and :func:`acceptance_estimate` recovers ``a`` from what the steps accepted and rejected.
 
+One ``a`` for every position under-prices long drafts: text mixes easy stretches (where every
+draft is right) with hard ones, so a draft that follows accepted drafts is more likely right
+than the first one (measured on the Qwen pair at k = 6: 0.84, 0.88, 0.89, 0.94, 0.97, 0.98 per
+position, given the earlier ones accepted). The adaptive policy therefore keeps one
+conditional acceptance per position (:func:`position_hazards`) and prices ``k`` drafts by their
+running products (:func:`survival`): ``expected_emitted = 1 + sum_j survival_j``.
+
 Example:
     >>> expected_emitted(acceptance_estimate(3.0, 1.0, prior=0.6, prior_weight=0.0), 1)
     1.75
@@ -13,8 +20,9 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
-__all__ = ["acceptance_estimate", "expected_emitted"]
+__all__ = ["acceptance_estimate", "expected_emitted", "position_hazards", "survival"]
 
 
 def expected_emitted(a: float, k: int) -> float:
@@ -60,3 +68,48 @@ def acceptance_estimate(
     if total == 0:
         return prior
     return (accepted + prior_weight * prior) / total
+
+
+def position_hazards(
+    accepted: Sequence[float],
+    judged: Sequence[float],
+    priors: Sequence[float],
+    prior_weight: float,
+) -> list[float]:
+    """Per draft position, the acceptance given that every earlier draft was accepted.
+
+    ``judged[j]`` counts the steps that judged the draft at position ``j + 1`` (drafted it and
+    accepted every earlier one), ``accepted[j]`` those that accepted it; ``priors[j]`` is the
+    position's prior, worth ``prior_weight`` pseudo-observations. Positions past the counts
+    give their prior. Returns ``len(priors)`` values in [0, 1].
+
+    Example:
+        >>> position_hazards([8.0, 3.0], [10.0, 4.0], [0.6, 0.6, 0.6], prior_weight=0.0)
+        [0.8, 0.75, 0.6]
+    """
+    if prior_weight < 0:
+        raise ValueError(f"prior_weight must be >= 0, got {prior_weight!r}")
+    out = []
+    for j, prior in enumerate(priors):
+        acc = accepted[j] if j < len(accepted) else 0.0
+        n = judged[j] if j < len(judged) else 0.0
+        total = n + prior_weight
+        out.append(prior if total <= 0 else min(1.0, max(0.0, (acc + prior_weight * prior) / total)))
+    return out
+
+
+def survival(hazards: Sequence[float]) -> list[float]:
+    """``P(drafts 1..j all accepted)`` for ``j = 1..len(hazards)``: running products.
+
+    ``1 + sum(survival(h)[:k])`` is the expected number of tokens a step with ``k`` drafts
+    emits (for equal hazards ``a`` it is :func:`expected_emitted` ``(a, k)``).
+
+    Example:
+        >>> survival([0.5, 0.5, 1.0])
+        [0.5, 0.25, 0.25]
+    """
+    out, p = [], 1.0
+    for h in hazards:
+        p *= h
+        out.append(p)
+    return out

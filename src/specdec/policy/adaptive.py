@@ -1,6 +1,6 @@
 """The adaptive policy: per request and per step, the k with the best expected emitted tokens
 per second, from measured step costs (:mod:`specdec.policy.cost_model`), each request's measured
-acceptance (:mod:`specdec.policy.acceptance`) and, for tree proposers, a tree size
+acceptance per draft position (:mod:`specdec.policy.acceptance`) and, for tree proposers, a tree size
 (:mod:`specdec.policy.tree`).
 
 Example:
@@ -23,7 +23,7 @@ from specdec.config import (
     unit_interval_closed_open,
 )
 from specdec.interfaces import SpeculationContext
-from specdec.policy.acceptance import acceptance_estimate, expected_emitted
+from specdec.policy.acceptance import acceptance_estimate, position_hazards, survival
 from specdec.policy.cost_model import CostCurve, Extrapolation
 from specdec.policy.tree import TreeSizer
 from specdec.types import ProposalKind
@@ -62,23 +62,37 @@ class _Counts:
     accepted: float = 0.0
     rejections: float = 0.0
     zero_run: int = 0  # consecutive decode steps at k = 0
+    # Per draft position j (index j - 1): steps that judged it (drafted it and accepted every
+    # earlier draft) and steps that accepted it, decayed like the totals.
+    judged_at: list[float] = attrs.field(factory=list)
+    accepted_at: list[float] = attrs.field(factory=list)
 
     def add(self, num_drafted: int, num_accepted: int, decay: float) -> None:
         self.accepted = decay * self.accepted + num_accepted
         self.rejections = decay * self.rejections + (1.0 if num_accepted < num_drafted else 0.0)
+        judged = min(num_drafted, num_accepted + 1)
+        grow = judged - len(self.judged_at)
+        if grow > 0:
+            self.judged_at.extend([0.0] * grow)
+            self.accepted_at.extend([0.0] * grow)
+        for j in range(len(self.judged_at)):
+            self.judged_at[j] = decay * self.judged_at[j] + (j < judged)
+            self.accepted_at[j] = decay * self.accepted_at[j] + (j < num_accepted)
 
 
 class AdaptivePolicy:
     """Per request and per step, the k that maximises the expected emitted tokens per second.
 
-    For a plan ``k_r`` over the batch the step emits ``sum_r expected_emitted(a_r, k_r)``
+    For a plan ``k_r`` over the batch the step emits ``sum_r (1 + sum_{j <= k_r} s_r(j))``
     tokens in ``T(sum_r (k_r + 1)) + D(n) * max_r k_r + sum_{k_r > 0} S_r`` seconds, where
     ``T`` is the measured cost of a step's target work by its rows, ``D(n)`` the measured
     seconds per drafted token when ``n`` requests draft (only requests with ``k_r > 0`` are
-    sent to the proposer), ``a_r`` the request's acceptance estimate, and ``S_r`` the
+    sent to the proposer), ``s_r(j)`` the estimated chance that the request's first ``j``
+    drafts are all accepted (:meth:`survival`: per-position acceptances, each request's shrunk
+    toward the generator's), and ``S_r`` the
     proposer's catch-up on the request's unseen tokens spread over the steps it has left
     (:meth:`catchup_seconds`; zero for a request that drafted last step). For each drafting
-    width ``W`` the marginal gains ``a_r^j`` (``j <= W``) are taken in decreasing order and the
+    width ``W`` the marginal gains ``s_r(j)`` (``j <= W``) are taken in decreasing order and the
     prefix with the best rate is kept; each such plan is polished by single +-1 changes, and
     the best plan wins. All zeros (a plain step) wins unless something beats it.
 
@@ -123,7 +137,8 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self, seq_id: int) -> float:
-        """The request's acceptance estimate (the generator-wide one for a new request)."""
+        """The request's acceptance estimate under one acceptance for every position (the
+        generator-wide one for a new request); the plans use :meth:`survival`."""
         w = self.config.prior_weight
         base = self.global_acceptance()
         counts = self._requests.get(seq_id)
@@ -135,6 +150,39 @@ class AdaptivePolicy:
         g = self._global
         c = self.config
         return acceptance_estimate(g.accepted, g.rejections, c.prior_acceptance, c.prior_weight)
+
+    def global_hazards(self, n: int) -> list[float]:
+        """The generator's acceptance at draft positions ``1..n`` given the earlier drafts were
+        accepted; a position's prior is the one before it (the first's ``prior_acceptance``):
+        a position never drafted is assumed as good as the last one measured."""
+        c, g = self.config, self._global
+        out: list[float] = []
+        for j in range(n):
+            prior = out[-1] if out else c.prior_acceptance
+            out.extend(position_hazards(g.accepted_at[j : j + 1], g.judged_at[j : j + 1],
+                                        [prior], c.prior_weight))  # fmt: skip
+        return out
+
+    def survival(self, seq_id: int, n: int) -> list[float]:
+        """Estimated chances that the request's drafts ``1..j`` are all accepted, ``j = 1..n``.
+
+        Each position's acceptance given the earlier ones is the request's own decayed counts
+        with ``prior_weight`` pseudo-observations at the generator's value for that position
+        (:meth:`global_hazards`); a new request gets the generator's.
+        """
+        return self._survival(seq_id, self.global_hazards(n))
+
+    def _survival(self, seq_id: int, base: Sequence[float]) -> list[float]:
+        """:meth:`survival` given the generator's hazards ``base`` (one per position)."""
+        counts = self._requests.get(seq_id)
+        if counts is None:
+            return survival(base)
+        w = self.config.prior_weight
+        return survival(position_hazards(counts.accepted_at, counts.judged_at, base, w))
+
+    def expected_emitted(self, seq_id: int, k: int) -> float:
+        """Expected tokens a step with ``k`` drafts emits for the request."""
+        return _emitted(self.survival(seq_id, k), k)
 
     def step_seconds(self, rows: int, drafting: int, width: int) -> float:
         """Estimated seconds of a step: ``rows`` target rows, ``drafting`` requests drafting
@@ -176,23 +224,28 @@ class AdaptivePolicy:
                 # prompt): one request, the one with the least to catch up on, pays for it.
                 first = min(range(len(caps)), key=lambda r: ctx.unseen[r])
                 caps = [c if r == first else 0 for r, c in enumerate(caps)]
-            acc = [self.acceptance(s) for s in ctx.seq_ids]
-            switch = [self._switch_seconds(ctx, acc, r) for r in range(len(caps))]
-            ks = self._plan(acc, caps, switch)
-            self._add_probes(ctx, acc, caps, ks, switch)
+            base = self.global_hazards(ctx.max_k)
+            surv = [
+                self._survival(s, base[: min(ctx.max_k, c)]) for s, c in zip(ctx.seq_ids, ctx.caps)
+            ]
+            switch = [self._switch_seconds(ctx, surv, r) for r in range(len(caps))]
+            ks = self._plan(surv, caps, switch)
+            self._add_probes(ctx, surv, caps, ks, switch)
         for seq_id, k in zip(ctx.seq_ids, ks):
             counts = self._requests[seq_id]
             counts.zero_run = counts.zero_run + 1 if k == 0 else 0
         return tuple(ks)
 
-    def _switch_seconds(self, ctx: SpeculationContext, acc: Sequence[float], r: int) -> float:
+    def _switch_seconds(
+        self, ctx: SpeculationContext, surv: Sequence[Sequence[float]], r: int
+    ) -> float:
         """Seconds per step that drafting for request ``r`` costs on top of its drafts: the
         proposer's catch-up on its unseen tokens, spread over the steps the request has left if
         it keeps drafting (a request about to finish does not pay for a long catch-up)."""
         if ctx.unseen[r] <= 0:
             return 0.0
         remaining = ctx.caps[r] + 1
-        per_step = expected_emitted(acc[r], min(ctx.max_k, ctx.caps[r]))
+        per_step = _emitted(surv[r], len(surv[r]))
         return self.catchup_seconds(ctx.unseen[r]) / max(1.0, remaining / per_step)
 
     def _rate(
@@ -202,13 +255,13 @@ class AdaptivePolicy:
         return emitted / seconds if seconds > 0 else math.inf
 
     def _plan(
-        self, acc: Sequence[float], caps: Sequence[int], switch: Sequence[float]
+        self, surv: Sequence[Sequence[float]], caps: Sequence[int], switch: Sequence[float]
     ) -> list[int]:
         """For each width, the best prefix of the marginal gains; each refined; the best wins."""
-        batch = len(acc)
+        batch = len(surv)
         plans = [[0] * batch]
         for width in range(1, max(caps, default=0) + 1):
-            gains = _gains(acc, caps, width)
+            gains = _gains(surv, caps, width)
             emitted, rows, drafting, extra, taken = float(batch), batch, 0, 0.0, [0] * batch
             best_rate, best_m = 0.0, 0
             for m, (gain, r) in enumerate(gains, start=1):
@@ -225,16 +278,22 @@ class AdaptivePolicy:
             for _, r in gains[:best_m]:
                 ks[r] += 1
             plans.append(ks)
-        refined = [self._refine(acc, caps, switch, ks) for ks in plans]
-        return max(refined, key=lambda ks: self._plan_rate(acc, switch, ks))
+        refined = [self._refine(surv, caps, switch, ks) for ks in plans]
+        return max(refined, key=lambda ks: self._plan_rate(surv, switch, ks))
 
-    def _plan_rate(self, acc: Sequence[float], switch: Sequence[float], ks: Sequence[int]) -> float:
-        emitted = sum(expected_emitted(a, k) for a, k in zip(acc, ks))
+    def _plan_rate(
+        self, surv: Sequence[Sequence[float]], switch: Sequence[float], ks: Sequence[int]
+    ) -> float:
+        emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
         extra = sum(s for s, k in zip(switch, ks) if k > 0)
         return self._rate(emitted, sum(k + 1 for k in ks), sum(k > 0 for k in ks), max(ks), extra)
 
     def _refine(
-        self, acc: Sequence[float], caps: Sequence[int], switch: Sequence[float], ks: list[int]
+        self,
+        surv: Sequence[Sequence[float]],
+        caps: Sequence[int],
+        switch: Sequence[float],
+        ks: list[int],
     ) -> list[int]:
         """Hill-climb from ``ks`` by single +-1 changes while the estimated rate improves.
 
@@ -242,7 +301,7 @@ class AdaptivePolicy:
         request draft (``D(n)`` grows with ``n``) and may cost a catch-up; a few moves repair
         that.
         """
-        emitted = sum(expected_emitted(a, k) for a, k in zip(acc, ks))
+        emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
         rows = sum(k + 1 for k in ks)
         drafting = sum(k > 0 for k in ks)
         extra = sum(s for s, k in zip(switch, ks) if k > 0)
@@ -256,7 +315,7 @@ class AdaptivePolicy:
             for r, k in enumerate(ks):
                 if k < caps[r]:
                     new = self._rate(
-                        emitted + acc[r] ** (k + 1),
+                        emitted + surv[r][k],
                         rows + 1,
                         drafting + (k == 0),
                         max(width, k + 1),
@@ -266,7 +325,7 @@ class AdaptivePolicy:
                         rate, move = new, (r, 1)
                 if k > 0:
                     new = self._rate(
-                        emitted - acc[r] ** k,
+                        emitted - surv[r][k - 1],
                         rows - 1,
                         drafting - (k == 1),
                         width - 1 if k == width and counts[k] == 1 else width,
@@ -279,7 +338,7 @@ class AdaptivePolicy:
             r, step = move
             k = ks[r]
             counts[k] -= 1
-            emitted += acc[r] ** (k + 1) if step > 0 else -(acc[r] ** k)
+            emitted += surv[r][k] if step > 0 else -surv[r][k - 1]
             if step > 0 and k == 0:
                 drafting, extra = drafting + 1, extra + switch[r]
             elif step < 0 and k == 1:
@@ -293,14 +352,18 @@ class AdaptivePolicy:
     def _add_probes(
         self,
         ctx: SpeculationContext,
-        acc: Sequence[float],
+        surv: Sequence[Sequence[float]],
         caps: Sequence[int],
         ks: list[int],
         switch: Sequence[float],
     ) -> None:
         c = self.config
         batch = len(ks)
-        optimistic = max(self.global_acceptance(), c.prior_acceptance)
+        # As good as the generator's drafts, and at least the prior's.
+        optimistic = [
+            max(g, c.prior_acceptance ** (j + 1))
+            for j, g in enumerate(survival(self.global_hazards(max(caps, default=0))))
+        ]
         for r, seq_id in enumerate(ctx.seq_ids):
             zero_run = self._requests[seq_id].zero_run + 1  # counting this step
             if ks[r] > 0 or caps[r] == 0 or zero_run < c.min_probe_interval:
@@ -308,14 +371,14 @@ class AdaptivePolicy:
             rows = sum(k + 1 for k in ks)
             drafting = sum(k > 0 for k in ks)
             width = max(ks)
-            emitted = sum(expected_emitted(a, k) for a, k in zip(acc, ks))
+            emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
             extra = sum(s for s, k in zip(switch, ks) if k > 0)
             now = self.step_seconds(rows, drafting, width) + extra
             rate = emitted / now if now > 0 else math.inf
             # Worth knowing only if a good acceptance would make this request draft.
             if not any(
                 self._rate(
-                    emitted - 1 + expected_emitted(optimistic, j),
+                    emitted - 1 + _emitted(optimistic, j),
                     rows + j,
                     drafting + 1,
                     max(width, j),
@@ -327,13 +390,13 @@ class AdaptivePolicy:
                 continue
             # What the probe step loses against the plan: its extra time (one more verify row,
             # the draft token, the catch-up) less the time the plan would take to emit the
-            # a_r tokens the probe is expected to add.
+            # s_r(1) tokens the probe is expected to add.
             cost = (
                 self.step_seconds(rows + 1, drafting + 1, max(width, 1))
                 + extra
                 - now
                 + self.catchup_seconds(ctx.unseen[r])
-                - acc[r] * now / emitted
+                - surv[r][0] * now / emitted
             )
             # This request's share of the time spent since it last drafted, times the budget.
             if zero_run * c.probe_budget * now / batch >= cost:
@@ -381,12 +444,21 @@ class AdaptivePolicy:
         self.trees.release(seq_id)
 
 
-def _gains(acc: Sequence[float], caps: Sequence[int], width: int) -> list[tuple[float, int]]:
-    """``(a_r^j, r)`` for every request ``r`` and draft ``j <= min(width, cap_r)``, largest
-    first: ``a_r^j`` is what the ``j``-th draft adds to ``expected_emitted(a_r, .)``."""
+def _emitted(surv: Sequence[float], k: int) -> float:
+    """Expected tokens a step with ``k`` drafts emits: the recovered or bonus token, plus each
+    draft's chance of being reached and accepted."""
+    return 1.0 + math.fsum(surv[:k])
+
+
+def _gains(
+    surv: Sequence[Sequence[float]], caps: Sequence[int], width: int
+) -> list[tuple[float, int]]:
+    """``(s_r(j), r)`` for every request ``r`` and draft ``j <= min(width, cap_r)``, largest
+    first: ``s_r(j)`` is what the ``j``-th draft adds to the request's expected emitted tokens
+    (never more than the ``(j-1)``-th adds: a product of one more acceptance)."""
     gains = [
-        (a**j, r)
-        for r, (a, cap) in enumerate(zip(acc, caps))
+        (s[j - 1], r)
+        for r, (s, cap) in enumerate(zip(surv, caps))
         for j in range(1, min(width, cap) + 1)
     ]
     gains.sort(key=lambda g: -g[0])  # stable: a request's j-th gain stays after its (j-1)-th
