@@ -56,10 +56,10 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     path = resolve_model(args.target)
-    base = CacheConfig(max_batch_size=2, max_num_tokens=args.prefix_tokens + 64 + args.max_new_tokens)
+    base = CacheConfig(max_batch_size=2, max_model_len=args.prefix_tokens + 64 + args.max_new_tokens)
     cached = Generator.from_pretrained(path, dtype="bfloat16", cache_config=base)
     fresh = cached.with_proposer(None, cache_config=CacheConfig(
-        max_batch_size=2, max_num_tokens=base.max_num_tokens, prefix_caching=False))  # fmt: skip
+        max_batch_size=2, max_model_len=base.max_model_len, prefix_caching=False))  # fmt: skip
     tok = cached.tokenizer
     questions = [tok.encode(q) for q in QUESTIONS]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

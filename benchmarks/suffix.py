@@ -72,7 +72,7 @@ def build_systems(args) -> dict:
     from specdec.hub import resolve_model
     from specdec.proposers import DraftModel, PromptLookup, SuffixDecoding, SuffixHybrid
 
-    cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
+    cache = CacheConfig(max_batch_size=1, max_model_len=2048)
     plain = Generator.from_pretrained(resolve_model(args.target), dtype="bfloat16", cache_config=cache)
     draft = DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
                                        dtype="bfloat16", quantization="int8")  # fmt: skip

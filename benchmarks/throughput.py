@@ -93,7 +93,7 @@ def build_generators(cfg: ThroughputConfig, longest_prompt: int):
 
     target_path, draft_path = resolve_model(cfg.target), resolve_model(cfg.draft)
     cache = CacheConfig(
-        max_batch_size=max(cfg.batch_sizes), max_num_tokens=longest_prompt + cfg.max_new_tokens
+        max_batch_size=max(cfg.batch_sizes), max_model_len=longest_prompt + cfg.max_new_tokens
     )
     plain = Generator.from_pretrained(target_path, dtype=cfg.dtype, cache_config=cache)
     draft_model = DraftModel.from_pretrained(draft_path, dtype=cfg.dtype).model

@@ -60,6 +60,18 @@ def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[lis
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
+def word_tokenizer(size: int, prefix: str = "t"):
+    """A real transformers tokenizer of ``size`` tokens ``{prefix}0 .. {prefix}{size - 1}`` (one
+    per whitespace-separated word), for models whose tokenizer must be smaller than their
+    embedding table or must differ from another's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(size)}, unk_token=f"{prefix}0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
 def random_head(target, seed: int = 0, *, use_input_norms: bool = True, scale: float = 1.0):
     """An MTP head with random weights (non-trivial norms) in the target's dtype."""
     from specdec.models.mtp_head import MTPModule as MTPHeadModel

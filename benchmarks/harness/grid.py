@@ -97,7 +97,7 @@ def _load(cfg: HarnessConfig) -> tuple[ModelPool, dict[str, list[Prompt]]]:
         for name in cfg.prompt_sets
     }
     longest = max(len(p.token_ids) for ps in prompts.values() for p in ps)
-    cache = CacheConfig(max_batch_size=max(cfg.batch_sizes), max_num_tokens=longest + cfg.max_new_tokens)
+    cache = CacheConfig(max_batch_size=max(cfg.batch_sizes), max_model_len=longest + cfg.max_new_tokens)
     return ModelPool(cfg, target_path, draft_path, cache, tokenizer), prompts
 
 

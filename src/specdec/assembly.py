@@ -7,8 +7,6 @@ ahead of the slow load) and raise a ``TypeError``/``ValueError`` naming the argu
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import torch
 
@@ -24,12 +22,15 @@ from specdec.interfaces import (
     Proposer,
     SharesCachedPrefix,
     SpeculationPolicy,
+    UsesTargetTokenizer,
     Verifier,
 )
 from specdec.kv.allocator import PageAllocator
 from specdec.kv.paged import KVCacheManager, ModelKV
 from specdec.kv.prefix_cache import PrefixCache
+from specdec.kv.sizing import check_pool_fits, length_bound, model_len, pool_pages
 from specdec.models.llama import LlamaModel
+from specdec.models.loading import local_context
 from specdec.policy import AdaptivePolicy, FixedPolicy
 from specdec.sampling import TorchSampler
 from specdec.scheduler import BatchScheduler
@@ -41,6 +42,7 @@ __all__ = [
     "assemble",
     "check_components",
     "check_cuda_graphs",
+    "check_max_model_len",
     "check_tensor_parallel",
     "resolve_policy",
 ]
@@ -54,6 +56,9 @@ class Assembly:
     scheduler: BatchScheduler
     engine: Engine
     max_seq_slots: int  # KV slots one sequence may hold: its tokens plus the k + 1 verify slots
+    max_model_len: int  # CacheConfig.max_model_len, or the target's context
+    max_context: int  # the target's max_position_embeddings
+    cache_config: CacheConfig
 
     @property
     def capacity(self) -> int:
@@ -61,6 +66,12 @@ class Assembly:
         the whole page pool, less the k + 1 slots a verify step needs."""
         slots = min(self.max_seq_slots, self.kv.allocator.num_total_pages * self.kv.page_size)
         return slots - self.engine.num_speculative_tokens - 1
+
+    @property
+    def length_bound(self) -> str:
+        """What holds a request to :attr:`capacity` tokens, and how to raise it."""
+        return length_bound(max_len=self.max_model_len, capacity=self.capacity,
+                            max_context=self.max_context, cache_config=self.cache_config)  # fmt: skip
 
 
 def assemble(
@@ -72,20 +83,28 @@ def assemble(
     verifier: Verifier | None,
     policy: SpeculationPolicy | int | None,
     cuda_graphs: bool,
+    tokenizer: object | None = None,
 ) -> Assembly:
     """Build the engine of ``target`` and ``proposer`` (arguments already checked by
-    :func:`check_components` and :func:`check_cuda_graphs`)."""
+    :func:`check_components` and :func:`check_cuda_graphs`). ``tokenizer``: the target's
+    (``None``: none), for a proposer of its own vocabulary to check against (a draft model,
+    :class:`~specdec.interfaces.UsesTargetTokenizer`).
+
+    One request may reach ``cache_config.max_model_len`` tokens (default: the target's
+    context); the page pool all requests share is sized by :func:`specdec.kv.sizing.pool_pages`.
+    """
+    max_context = target.config.max_position_embeddings
+    max_len = model_len(cache_config, max_context)  # before any proposer is bound
     policy = resolve_policy(policy, proposer)
+    if isinstance(proposer, UsesTargetTokenizer):  # before attach, which checks the vocabulary
+        proposer.set_target_tokenizer(tokenizer)
     attach = getattr(proposer, "attach", None)
     if attach is not None:  # binds proposers built on the target (MTP/EAGLE heads); checks
         attach(target)  # that a draft model fits it, before any page is allocated
     k = proposer.num_speculative_tokens if proposer is not None else 0
-    max_context = target.config.max_position_embeddings
-    max_seq_slots = (cache_config.max_num_tokens or min(max_context, 4096)) + k + 1
-    num_pages = cache_config.num_pages or cache_config.max_batch_size * math.ceil(
-        max_seq_slots / cache_config.page_size
-    )
-    kv, target_kv, proposer_kv = _kv_cache(target, proposer, cache_config, num_pages)
+    max_seq_slots = max_len + k + 1
+    num_pages = pool_pages(cache_config, max_len=max_len, k=k)
+    kv, target_kv, proposer_kv = _kv_cache(target, proposer, cache_config, num_pages, max_len)
     scheduler = BatchScheduler(
         kv,
         max_batch_size=cache_config.max_batch_size,
@@ -110,17 +129,21 @@ def assemble(
     )
     if isinstance(target, TensorParallelLlama):
         target.bind(kv)  # the other ranks build the same pages
-    return Assembly(kv=kv, scheduler=scheduler, engine=engine, max_seq_slots=max_seq_slots)
+    return Assembly(kv=kv, scheduler=scheduler, engine=engine, max_seq_slots=max_seq_slots,
+                    max_model_len=max_len, max_context=max_context, cache_config=cache_config)  # fmt: skip
 
 
 def _kv_cache(
-    target: LlamaModel, proposer: Proposer | None, cache_config: CacheConfig, num_pages: int
+    target: LlamaModel, proposer: Proposer | None, cache_config: CacheConfig, num_pages: int, max_len: int
 ) -> tuple[KVCacheManager, ModelKV, ModelKV | None]:
-    """The page allocator with the target's pool and the proposer's (if it declares one)."""
+    """The page allocator with the target's pool and the proposer's (if it declares one),
+    once both are known to fit in the device's free memory."""
     manager = JournaledKVCacheManager if isinstance(target, TensorParallelLlama) else KVCacheManager
     specs = proposer.kv_specs() if proposer is not None else []
     if len(specs) > 1:
         raise ValueError("a proposer may declare at most one KV pool")
+    check_pool_fits([target.kv_spec("target"), *specs], num_pages=num_pages,
+                    page_size=cache_config.page_size, max_len=max_len, device=target.device)  # fmt: skip
     cache = _prefix_cache(proposer if specs else None, cache_config)
     kv = manager(PageAllocator(num_pages), cache_config.page_size, prefix_cache=cache)
     target_kv = kv.add_pool(target.kv_spec("target"), target.device)
@@ -232,6 +255,17 @@ def check_components(proposer: object, verifier: object, cache_config: object) -
         )
     if cache_config is not None and not isinstance(cache_config, CacheConfig):
         raise TypeError(f"cache_config must be a CacheConfig, got {type(cache_config).__name__}")
+
+
+def check_max_model_len(cache_config: CacheConfig | None, source: object) -> None:
+    """``cache_config.max_model_len`` within the context of ``source`` when that is a model
+    directory on disk, read from its config.json before the (slow) load; other sources are
+    checked once loaded, when the generator is built."""
+    if cache_config is None or cache_config.sequence_limit is None:
+        return
+    context = local_context(source)
+    if context is not None:
+        model_len(cache_config, context)
 
 
 def _check_width(k: object) -> None:

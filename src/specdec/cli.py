@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate | serve | fetch | demo | train-mtp | train-eagle``.
+"""Command line: ``specdec generate | serve | fetch | cache | demo | train-mtp | train-eagle``.
 
 ``specdec generate --proposer NAME`` (and ``specdec serve``) speculates with an entry of the proposer registry
 (:mod:`specdec.proposers.registry`: the built-ins and installed plug-ins), its options
@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.cache_command import add_cache_parser, run_cache
 from specdec.config import MAX_ADDITIVE_PENALTY, MAX_LOGIT_BIAS
 from specdec.proposers.registry import (
     BuildContext,
@@ -35,6 +36,12 @@ BUNDLED_MODEL = "stories260K"
 
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, default=None, help="torch threads (>= 1)")
+
+
+def _add_max_model_len_arg(p: argparse.ArgumentParser, default: str = "the model's context") -> None:
+    p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                   help=f"tokens one request may reach, prompt + output (default: {default}); a longer "
+                   "request is an error, never cut short")
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
@@ -270,6 +277,8 @@ def build_parser(registry: ProposerRegistry) -> argparse.ArgumentParser:
     _add_serve(sub.add_parser("serve", help="serve a model over the OpenAI API (docs/serving.md)"), registry)
     fetch = sub.add_parser("fetch", help="download and convert a known model into the cache")
     fetch.add_argument("model", help="known model name")
+    cache = sub.add_parser("cache", help="list or clear what specdec keeps on disk (packed weights, kernel builds, models)")
+    add_cache_parser(cache)
     _add_demo(sub.add_parser("demo", help="run the demo on the default model pair"))
     mtp = sub.add_parser("train-mtp", help="train an MTP head for a target (see docs/mtp.md)")
     _add_training_args(mtp)
@@ -297,6 +306,7 @@ def _add_generate(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> N
         help="store the target's linear layers as int8 or 4-bit (CPU; a smaller, faster model "
         "with its own output, which speculation reproduces exactly)",
     )
+    _add_max_model_len_arg(gen)
     _add_threads_arg(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_sampling_args(gen)
@@ -316,6 +326,7 @@ def _add_serve(serve: argparse.ArgumentParser, registry: ProposerRegistry) -> No
                        help="requests running or queued at most; more get 429 with Retry-After (default 256)")
     serve.add_argument("--max-batch-size", type=_positive_int, default=None, metavar="N",
                        help="requests decoded together at most (default: CacheConfig's, 8)")
+    _add_max_model_len_arg(serve)
     serve.add_argument("--num-pages", type=_positive_int, default=None, metavar="N",
                        help="KV pages of the cache (default: sized from the model and batch)")
     serve.add_argument("--no-prefix-cache", action="store_true",
@@ -387,6 +398,7 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--num-speculative-tokens", "-k", type=_positive_int, default=None,
                       help="drafts per step (default: 6 adaptive, 4 fixed)")
     demo.add_argument("--dtype", default="bfloat16", help="dtype of the weights (default bfloat16)")
+    _add_max_model_len_arg(demo, default="2048, or the target's context if shorter")
     demo.add_argument(
         "--quantization",
         choices=("int8", "q4", "none"),
@@ -518,6 +530,8 @@ def _run(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selec
 
         print(fetch(args.model))
         return 0
+    if args.command == "cache":
+        return run_cache(args)
     if args.command == "demo":
         from specdec.demo import run_demo
 
@@ -564,7 +578,7 @@ def _train_eagle(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _Selection) -> int:
-    from specdec import Generator
+    from specdec import CacheConfig, Generator
 
     params = _sampling_params(args)  # validated before any model is loaded
     if args.stream and params.n > 1:
@@ -576,7 +590,7 @@ def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _
     policy = proposer.num_speculative_tokens if fixed else None
     gen = Generator.from_pretrained(
         args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy,
-        quantization=args.quantization,
+        quantization=args.quantization, cache_config=CacheConfig(max_model_len=args.max_model_len),
     )  # fmt: skip
     start = time.perf_counter()
     if args.stream:  # each prompt in turn, its text as it comes
@@ -612,7 +626,7 @@ def _serve(args: argparse.Namespace, registry: ProposerRegistry, selection: _Sel
     config = ServerConfig(model_name=args.served_model_name or args.model, api_keys=tuple(args.api_key),
                           max_pending=args.max_pending, chat_template=args.chat_template,
                           drain_timeout_s=args.drain_timeout)  # fmt: skip
-    cache = {"prefix_caching": not args.no_prefix_cache}
+    cache = {"prefix_caching": not args.no_prefix_cache, "max_model_len": args.max_model_len}
     if args.max_batch_size is not None:
         cache["max_batch_size"] = args.max_batch_size
     if args.num_pages is not None:

@@ -90,25 +90,46 @@ class TextCodec:
         return text if stop_text_len is None else text[:stop_text_len]
 
 
-def load_tokenizer(path: Path) -> object | None:
+def load_tokenizer(path: Path | None) -> object | None:
     """The transformers tokenizer of a model directory or ``.gguf`` file.
 
-    ``None`` for a directory without tokenizer files: such a generator takes token ids only.
+    ``None`` for a directory without tokenizer files, or no directory (a model object built in
+    memory): such a generator takes token ids only.
     """
     from transformers import AutoTokenizer
 
+    if path is None:
+        return None
     if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, **_gguf_tokenizer_type(path))
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def eos_ids(path: Path, model: LlamaModel, tokenizer: object) -> tuple[int, ...]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, united."""
+def _gguf_tokenizer_type(path: Path) -> dict[str, str]:
+    """``tokenizer_type`` for AutoTokenizer on the GGUF file ``path``, where naming it picks the
+    class AutoTokenizer would pick: otherwise AutoTokenizer parses the whole file once more (with
+    gguf-py's reader, 7-9 s for a 150k-token vocabulary) only to learn the model type, which a
+    header parse (:class:`~specdec.models.gguf_file.GgufFile`) reads in well under a second.
+    Empty (AutoTokenizer decides) where this transformers has no tokenizer by that model type's
+    name (llama in 5.x), or a ``tokenizer_config.json`` beside the file could name another."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from specdec.models.gguf_file import GgufFile
+
+    if (path.parent / "tokenizer_config.json").exists():
+        return {}
+    model_type = GgufFile.read(path).model_type
+    return {"tokenizer_type": model_type} if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
+
+
+def eos_ids(path: Path | None, model: LlamaModel, tokenizer: object) -> tuple[int, ...]:
+    """EOS ids from config.json, generation_config.json (in ``path``, if any) and the
+    tokenizer, united."""
     ids = set(model.config.eos_token_ids)
-    gen_cfg = path / "generation_config.json"
-    if gen_cfg.is_file():
+    gen_cfg = path / "generation_config.json" if path is not None else None
+    if gen_cfg is not None and gen_cfg.is_file():
         eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else (eos or []))
     if getattr(tokenizer, "eos_token_id", None) is not None:

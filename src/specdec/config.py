@@ -7,6 +7,7 @@ run at construction, so bad input fails before any work starts, with the argumen
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 
 import attrs
@@ -446,16 +447,55 @@ class SamplingParams:
 class CacheConfig:
     """Paged KV cache sizing, shared by every model of a generator.
 
-    ``num_pages`` pages of ``page_size`` token slots each; every model (target, draft, heads)
-    has its own page-pool tensors indexed by the same page ids. ``None`` sizes the pool to hold
-    ``max_batch_size`` sequences of the target's full context. ``prefix_caching`` keeps the
-    full pages of finished prefixes for later requests with the same prefix (and salt).
+    ``max_model_len``: the most tokens one request may reach, prompt + output (vLLM's name, and
+    the CLI's ``--max-model-len``). ``None`` (the default) is the target's context,
+    ``max_position_embeddings``; sliding-window models too, since every page of a sequence is
+    kept (the window is a mask) and their positions run to the same end. A value above the
+    context is a ``ValueError`` when the generator is built. A request past the limit (prompt +
+    ``max_new_tokens``) is a ``ValueError`` at submission, never a silent cut.
+
+    ``num_pages`` pages of ``page_size`` token slots each form one pool that every sequence
+    draws from as it grows (the scheduler admits what fits and preempts when pages run out);
+    every model (target, draft, heads) has its own page-pool tensors indexed by the same page
+    ids. ``None`` sizes the pool for ``max_batch_size`` sequences of up to
+    ``min(max_model_len, 4096)`` tokens each, and never below one sequence of
+    ``max_model_len``: a 32k-context model at the default batch of 8 gets 8 x 4,096 token slots,
+    not 8 x 32k, and a lone request may still fill its whole context. A pool larger than the
+    device's free memory is a ``ValueError`` naming ``max_model_len`` and ``num_pages`` before it
+    is allocated. ``prefix_caching`` keeps the full pages of finished prefixes for later
+    requests with the same prefix (and salt).
+
+    ``max_num_tokens`` is ``max_model_len``'s deprecated name (it read as a pool size, which it
+    never was); it still works, with a ``DeprecationWarning``.
+
+    Example:
+        >>> CacheConfig(max_model_len=8192, max_batch_size=4)
     """
 
     page_size: int = attrs.field(default=16, validator=positive_int)
     num_pages: int | None = attrs.field(default=None, validator=optional(positive_int))
     max_batch_size: int = attrs.field(default=8, validator=positive_int)
+    max_model_len: int | None = attrs.field(default=None, validator=optional(positive_int))
     max_num_tokens: int | None = attrs.field(default=None, validator=optional(positive_int))
     # Automatic prefix caching (specdec.kv.prefix_cache): requests sharing a prompt prefix
     # share its full KV pages instead of recomputing them.
     prefix_caching: bool = attrs.field(default=True, validator=boolean)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_num_tokens is None:
+            return
+        if self.max_model_len is not None and self.max_model_len != self.max_num_tokens:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) is the deprecated name of max_model_len "
+                f"({self.max_model_len}); pass max_model_len only"
+            )
+        warnings.warn(
+            "CacheConfig(max_num_tokens=...) is deprecated; use max_model_len (the same limit)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+    @property
+    def sequence_limit(self) -> int | None:
+        """``max_model_len`` as given under either name (``None``: the model's context)."""
+        return self.max_model_len if self.max_model_len is not None else self.max_num_tokens

@@ -23,6 +23,8 @@ DEFAULT_PROMPTS = (
 # (benchmarks/results/harness-cpu-1t-20261201-1457.json): fixed k = 4 is the best fixed k
 # (1.68x plain); the adaptive policy from a fresh Generator with k <= 6 reaches 1.63x.
 DEFAULT_K = {"adaptive": 6, "fixed": 4}
+# Tokens a demo request may reach without --max-model-len (see _max_model_len).
+DEMO_MAX_MODEL_LEN = 2048
 
 
 def _stamp(label: str, start: float, timings: dict[str, float]) -> float:
@@ -45,7 +47,7 @@ def run_demo(args: argparse.Namespace) -> int:
     target_path = resolve_model(args.target or DEFAULT_TARGET)
     draft_path = resolve_model(args.draft or DEFAULT_DRAFT)
     start = _stamp("fetch or find cached models", start, timings)
-    cache = CacheConfig(max_batch_size=1, max_num_tokens=2048)
+    cache = CacheConfig(max_batch_size=1, max_model_len=_max_model_len(args, target_path))
     target_quantization, quantization = _quantizations(args)
     plain = Generator.from_pretrained(
         target_path, dtype=args.dtype, cache_config=cache, quantization=target_quantization
@@ -99,6 +101,16 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"greedy outputs identical: {all_same}")
     print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
     return 0 if all_same else 1
+
+
+def _max_model_len(args: argparse.Namespace, target_path) -> int:
+    """``--max-model-len``, else DEMO_MAX_MODEL_LEN within the target's context: the demo's
+    prompts are short, and a KV cache of the whole context (32k for the default pair) would
+    cost the plain and the speculative generator a gigabyte each for nothing."""
+    from specdec.models.loading import local_context
+
+    given = getattr(args, "max_model_len", None)
+    return given or min(DEMO_MAX_MODEL_LEN, local_context(target_path) or DEMO_MAX_MODEL_LEN)
 
 
 def _quantizations(args: argparse.Namespace) -> tuple[str | None, str | None]:

@@ -17,6 +17,7 @@ from specdec.assembly import (
     assemble,
     check_components,
     check_cuda_graphs,
+    check_max_model_len,
     check_tensor_parallel,
     resolve_policy,
 )
@@ -28,6 +29,7 @@ from specdec.distributed.model import TensorParallelLlama, load_tensor_parallel
 from specdec.handle import RequestHandle
 from specdec.interfaces import AttentionBackend, Proposer, SpeculationPolicy, Verifier
 from specdec.metrics import SpecMetrics
+from specdec.models.from_transformers import generation_eos_ids, is_transformers_model
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model, resolve_device
 from specdec.models.quantized import check_quantization
@@ -103,14 +105,15 @@ class Generator:
             target.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         )
         parts = assemble(target, proposer=proposer, cache_config=self.cache_config, backend=backend,
-                         verifier=verifier, policy=policy, cuda_graphs=cuda_graphs)  # fmt: skip
+                         verifier=verifier, policy=policy, cuda_graphs=cuda_graphs,
+                         tokenizer=tokenizer)  # fmt: skip
         self.kv, self.scheduler, self.engine = parts.kv, parts.scheduler, parts.engine
         self.max_seq_slots = parts.max_seq_slots
         self._loop = StepLoop(self.engine, self.scheduler)
         self._requests = RequestMaker(
             vocab_size=target.config.vocab_size,
-            max_context=self.max_context,
-            capacity=parts.capacity,
+            max_len=min(self.max_context, parts.capacity),
+            length_bound=parts.length_bound,
             eos_token_ids=self.eos_token_ids,
             new_seq_id=self._loop.new_seq_id,
             # Resolved per request, not bound here: tests pin the streams by patching it.
@@ -121,9 +124,10 @@ class Generator:
     @classmethod
     def from_pretrained(
         cls,
-        target: str | Path,
+        target: str | Path | torch.nn.Module,
         *,
         proposer: Proposer | None = None,
+        tokenizer: object | None = None,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "bfloat16",
         cache_config: CacheConfig | None = None,
@@ -134,6 +138,12 @@ class Generator:
         cuda_graphs: bool = False,
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
+
+        ``target`` may also be a transformers model already in memory (``AutoModelForCausalLM``
+        of a supported architecture): its weights are copied in ``dtype``, the caller's model is
+        left as it was (:mod:`specdec.models.from_transformers`). ``tokenizer``: the tokenizer
+        to use instead of the one found beside the checkpoint (a model object built in memory
+        has none; without one the generator takes token ids only).
 
         ``quantization`` (CPU): ``"int8"`` or ``"q4"`` stores the target's linear layers as
         weight-only int8 or 4-bit (see :mod:`specdec.models.quantized`); speculation then
@@ -150,9 +160,16 @@ class Generator:
         (:mod:`specdec.graphs`);
         off by default until the GPU check has run it (docs/gpu.md)."""
         check_components(proposer, None, cache_config)  # before the (slow) load
+        check_max_model_len(cache_config, target)
         if cuda_graphs is not False:  # the device is checked first, as load_model does
             check_cuda_graphs(cuda_graphs, resolve_device(device), tensor_parallel_size > 1)
         check_tensor_parallel(tensor_parallel_size, quantization)
+        in_memory = is_transformers_model(target)
+        if in_memory and tensor_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size > 1 needs the target as a checkpoint directory (each rank "
+                "reads its own slices), not a model object in memory"
+            )
         if tensor_parallel_size == 1 or proposer is not None:  # other ranks ignore the policy
             resolve_policy(policy, proposer)
         check_quantization(quantization, device)
@@ -162,13 +179,14 @@ class Generator:
             )
         else:
             model, _, path = load_model(target, dtype=dtype, device=device, quantization=quantization)
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
+        eos = eos_ids(path, model, tokenizer) + (generation_eos_ids(target) if in_memory else ())
         return cls(
             target=model,
             tokenizer=tokenizer,
             proposer=proposer,
             cache_config=cache_config,
-            eos_token_ids=eos_ids(path, model, tokenizer),
+            eos_token_ids=tuple(sorted(set(eos))),
             policy=policy,
             backend=backend,
             cuda_graphs=cuda_graphs,
@@ -392,9 +410,10 @@ class Generator:
 
     @property
     def max_sequence_len(self) -> int:
-        """Prompt + output tokens one request may reach: the target's positions, or fewer
-        when the KV cache holds fewer per sequence."""
-        return min(self.max_context, self._requests.capacity)
+        """Prompt + output tokens one request may reach: the target's context, or
+        ``CacheConfig.max_model_len`` when given, or fewer when the page pool holds fewer for
+        one sequence. A longer request is a ValueError at submission (never cut short)."""
+        return self._requests.max_len
 
     def queue_stats(self) -> dict[str, int]:
         """``num_waiting`` and ``num_running`` requests, ``num_preemptions`` so far."""

@@ -39,6 +39,7 @@ __all__ = [
     "RequestEnd",
     "TargetStep",
     "TracksRequests",
+    "UsesTargetTokenizer",
     "Verifier",
     "Sampler",
     "Scheduler",
@@ -270,6 +271,24 @@ class SharesCachedPrefix(Protocol):
     def adopt_prefix(self, seq_id: int, num_slots: int) -> None:
         """``seq_id`` starts with ``num_slots`` slots of cached KV in every pool (called at its
         admission, before its prefill; not called when nothing was cached)."""
+        ...
+
+
+@runtime_checkable
+class UsesTargetTokenizer(Protocol):
+    """A proposer capability: it drafts with a model of its own vocabulary (a draft model),
+    which may pad its embedding table differently from the target's (Qwen2.5 0.5B: 151,936
+    rows, 7B: 152,064, one tokenizer of 151,665 tokens). A Generator passes its tokenizer, the
+    target's, to ``set_target_tokenizer`` before ``attach``, so that ``attach`` can accept rows
+    that differ only past ``len(tokenizer)`` and refuse a draft of another tokenizer.
+
+    Example:
+        >>> class MyDraft:
+        ...     def set_target_tokenizer(self, tokenizer): self.target_tokenizer = tokenizer
+    """
+
+    def set_target_tokenizer(self, tokenizer: object | None) -> None:
+        """The target's tokenizer (``None``: the generator has none)."""
         ...
 
 

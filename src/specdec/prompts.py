@@ -142,15 +142,18 @@ class RequestMaker:
     """
 
     vocab_size: int
-    max_context: int  # the target's positions: prompt + output never reach it
-    capacity: int  # token slots one sequence may fill: its KV slots less the k + 1 verify slots
+    # Prompt + output tokens one request may reach: the least of the target's context,
+    # CacheConfig.max_model_len and what the page pool holds for one sequence.
+    max_len: int
+    length_bound: str  # which of those it is, and how to raise it (for the errors)
     eos_token_ids: frozenset[int]
     new_seq_id: Callable[[], int]
     new_stream: Callable[[], torch.Generator]  # an unseeded sampled request's random stream
 
     def make(self, prompt: Prompt, params: SamplingParams, codec: TextCodec) -> Request:
         """The request of ``prompt`` (text or token ids, already normalised); ValueError
-        naming what does not fit the model, the KV cache or the tokenizer."""
+        naming what does not fit the model, the KV cache or the tokenizer: a prompt or
+        ``max_new_tokens`` past :attr:`max_len` is refused, never cut short."""
         if params.n != 1:
             # One request is one sample: generate() splits n > 1 into n requests
             # (sample_params); a handle streams one sample only.
@@ -203,23 +206,25 @@ class RequestMaker:
         vocab = self.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        if len(ids) >= self.max_context:
+        if len(ids) >= self.max_len:
             raise ValueError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.max_context}, so a "
-                f"prompt may have at most {self.max_context - 1}"
+                f"prompt has {len(ids)} tokens, but the maximum sequence length is {self.max_len} "
+                f"({self.length_bound}), so a prompt may have at most {self.max_len - 1}"
             )
         return ids
 
     def _max_total(self, ids: list[int], params: SamplingParams) -> int:
-        """Prompt + output tokens the request may reach, if the KV cache holds them."""
-        max_total = min(self.max_context, len(ids) + params.max_new_tokens)
-        if max_total > self.capacity:
+        """Prompt + output tokens the request may reach: all it asks for, or a ValueError
+        naming ``max_new_tokens`` (vLLM's message, with the numbers)."""
+        total = len(ids) + params.max_new_tokens
+        if total > self.max_len:
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the KV cache's per-sequence capacity ({self.capacity} tokens); raise "
-                "CacheConfig(max_num_tokens=...) or CacheConfig(num_pages=...)"
+                f"max_new_tokens must be at most {self.max_len - len(ids)} for this "
+                f"{len(ids)}-token prompt: the maximum sequence length is {self.max_len} tokens "
+                f"({self.length_bound}), and {total} were requested ({len(ids)} in the prompt, "
+                f"{params.max_new_tokens} in the completion)"
             )
-        return max_total
+        return total
 
     def _check_stops(self, params: SamplingParams, codec: TextCodec) -> None:
         if params.stop and codec.tokenizer is None:

@@ -89,7 +89,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None  # the stream of an unseeded sampled request
     eos_token_ids: frozenset[int]
-    max_total_tokens: int  # context limit: generation stops with LENGTH at this many tokens
+    max_total_tokens: int  # prompt + max_new_tokens (checked against the maximum sequence length)
     decode: Callable[[Sequence[int]], str] | None = None  # for stop strings
     # The options that transform the logits with the history (penalties, bias, bans, grammar):
     # applied to every verify row with that row's own history; None when the params have none.

@@ -13,9 +13,11 @@ import json
 import pickle
 import shutil
 
+import attrs
 import numpy as np
 import pytest
 import torch
+from conftest import make_hf_model
 from helpers import random_head, run_cli
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
@@ -91,7 +93,7 @@ BAD_PROMPTS = {
     "longer-than-context": (
         [1] * CONTEXT,
         ValueError,
-        rf"context is {CONTEXT}.*at most {CONTEXT - 1}",
+        rf"maximum sequence length is {CONTEXT} \(the model's context.*at most {CONTEXT - 1}",
     ),
     "token-id-past-vocab": ([1, VOCAB], ValueError, rf"prompt token ids must be in \[0, {VOCAB}\)"),
     "negative-token-id": ([-1, 2], ValueError, rf"prompt token ids must be in \[0, {VOCAB}\)"),
@@ -324,6 +326,9 @@ BAD_CACHE_CONFIGS = [
     (dict(max_batch_size=-1), ValueError, "max_batch_size must be >= 1"),
     (dict(max_num_tokens=0), ValueError, "max_num_tokens must be >= 1"),
     (dict(max_num_tokens=1.5), TypeError, "max_num_tokens must be an int"),
+    (dict(max_model_len=0), ValueError, "max_model_len must be >= 1"),
+    (dict(max_model_len="4k"), TypeError, "max_model_len must be an int"),
+    (dict(max_model_len=64, max_num_tokens=32), ValueError, "deprecated name of max_model_len"),
 ]
 
 
@@ -347,17 +352,19 @@ def test_cache_config_must_be_a_cache_config(target, tiny_dir, monkeypatch):
 def test_request_larger_than_the_cache(target, k):
     proposer = None if k is None else PromptLookup(num_speculative_tokens=k)
     gen = Generator.from_components(
-        target, proposer=proposer, cache_config=CacheConfig(max_num_tokens=32)
+        target, proposer=proposer, cache_config=CacheConfig(max_model_len=32)
     )
+    assert gen.max_sequence_len == 32
     too_long = SamplingParams(max_new_tokens=30, ignore_eos=True)
     assert_rejected_before_work(
         gen,
         lambda g: g.generate([[1] * 2, [2] * 10], too_long),
         ValueError,
-        r"prompt \(10 tokens\) \+ max_new_tokens \(30\) exceeds.*capacity \(32 tokens\).*max_num_tokens",
+        r"max_new_tokens must be at most 22 for this 10-token prompt: the maximum sequence length is 32 "
+        r"tokens \(max_model_len.*40 were requested \(10 in the prompt, 30 in the completion\)",
     )
     assert_rejected_before_work(
-        gen, lambda g: g.stream([2] * 10, too_long), ValueError, "max_num_tokens"
+        gen, lambda g: g.stream([2] * 10, too_long), ValueError, "max_model_len"
     )
     out = gen.generate([2] * 10, SamplingParams(max_new_tokens=22, ignore_eos=True))  # exactly fits
     assert len(out.token_ids) == 22
@@ -371,12 +378,122 @@ def test_request_larger_than_the_whole_page_pool(target):
         gen,
         lambda g: g.generate([1, 2, 3], SamplingParams(max_new_tokens=5)),
         ValueError,
-        r"capacity \(7 tokens\).*num_pages",
+        r"maximum sequence length is 7 tokens \(what the KV cache's 2 pages of 4 slots.*num_pages",
     )
     assert (
         len(gen.generate([1, 2, 3], SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids)
         == 4
     )
+
+
+# --- context length ----------------------------------------------------------------------------
+
+
+def test_the_default_maximum_length_is_the_models_context(gen, stories_path):
+    assert gen.max_sequence_len == CONTEXT
+    assert Generator.from_pretrained(stories_path, dtype="float32").max_sequence_len == 512
+
+
+def test_the_default_pool_is_shared_not_a_context_per_batch_slot(target):
+    """A request may reach the whole context, but the default pool holds max_batch_size
+    sequences of up to 4,096 tokens (each with its k + 1 verify slots), not one context each."""
+    from specdec.kv.sizing import pool_pages
+
+    assert pool_pages(CacheConfig(), max_len=32768, k=4) == 8 * 257  # 8 x (4,096 + 5 slots), 16 a page
+    assert pool_pages(CacheConfig(max_batch_size=1), max_len=32768, k=4) == 2049  # one whole context
+    assert pool_pages(CacheConfig(num_pages=7), max_len=32768, k=4) == 7
+    gen = Generator.from_components(target, cache_config=CacheConfig(max_batch_size=2))
+    assert gen.max_sequence_len == CONTEXT
+    assert gen.kv_stats()["num_total_pages"] == 2 * 17  # 2 x (256 + 1 slots), 16 a page
+
+
+def test_a_32k_model_reaches_its_context_from_a_pool_of_4096_tokens_per_slot():
+    """The default pool of a 32k-context model is 8 x 4,096 tokens (as before the limit followed
+    the context), yet one request may use it all: 32k, prompt + output."""
+    from specdec.models.llama import ModelConfig
+    from specdec.models.loading import model_from_state_dict
+
+    hf = make_hf_model("llama", 0, max_position_embeddings=32768)
+    model = model_from_state_dict(ModelConfig.from_hf_config(hf.config), iter(hf.state_dict().items()),
+                                  dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    gen = Generator.from_components(model)
+    assert gen.max_sequence_len == 32768
+    assert gen.kv_stats()["num_total_pages"] == 8 * 257  # 8 x (4,096 + 1 slots), 16 a page
+    assert_rejected_before_work(gen, lambda g: g.generate([1, 2], SamplingParams(max_new_tokens=32767)),
+                                ValueError, "max_new_tokens must be at most 32766")  # fmt: skip
+    alone = Generator.from_components(model, cache_config=CacheConfig(max_batch_size=1))
+    assert alone.kv_stats()["num_total_pages"] == 2049  # one whole context
+
+
+def test_max_model_len_bounds_requests(target):
+    gen = Generator.from_components(target, cache_config=CacheConfig(max_model_len=40))
+    assert gen.max_sequence_len == 40
+    assert len(gen.generate([1] * 10, SamplingParams(max_new_tokens=30, ignore_eos=True)).token_ids) == 30
+    assert_rejected_before_work(
+        gen, lambda g: g.generate([1] * 40, OK), ValueError,
+        r"prompt has 40 tokens, but the maximum sequence length is 40 \(max_model_len.*at most 39",
+    )  # fmt: skip
+    assert_clean(gen)
+
+
+def test_max_model_len_past_the_context_is_refused(target, tiny_dir, monkeypatch):
+    match = rf"max_model_len \(300\) exceeds the model's context \(max_position_embeddings = {CONTEXT}\)"
+    with pytest.raises(ValueError, match=match):
+        Generator.from_components(target, cache_config=CacheConfig(max_model_len=300))
+    _forbid_loading(monkeypatch)  # a model directory's context is read from config.json alone
+    with pytest.raises(ValueError, match=match):
+        Generator.from_pretrained(tiny_dir, cache_config=CacheConfig(max_model_len=300))
+
+
+def test_max_num_tokens_is_the_deprecated_name_of_max_model_len(target):
+    with pytest.warns(DeprecationWarning, match="use max_model_len"):
+        config = CacheConfig(max_num_tokens=32)
+    assert Generator.from_components(target, cache_config=config).max_sequence_len == 32
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused_before_allocation(target, monkeypatch):
+    monkeypatch.setattr("specdec.kv.sizing.available_memory", lambda device: 1000)
+    allocated = []
+    monkeypatch.setattr("specdec.kv.paged.PagePool.__init__", lambda *a, **k: allocated.append(a))
+    with pytest.raises(ValueError, match=r"max_model_len \(256\) and num_pages \(136 of 16 slots\) make a KV cache of .* free; lower"):
+        Generator.from_components(target)
+    assert allocated == []
+
+
+OVER_LONG = {
+    "prompt": ([1] * CONTEXT, OK, rf"prompt has {CONTEXT} tokens, but the maximum sequence length is {CONTEXT}"),
+    "max_new_tokens": (
+        [1] * 6,
+        SamplingParams(max_new_tokens=10**8),
+        rf"max_new_tokens must be at most {CONTEXT - 6} for this 6-token prompt: the maximum sequence "
+        rf"length is {CONTEXT} tokens \(the model's context, max_position_embeddings\), and {10**8 + 6} were "
+        rf"requested \(6 in the prompt, {10**8} in the completion\)",
+    ),
+    "one-past": ([1] * 6, SamplingParams(max_new_tokens=CONTEXT - 5), rf"at most {CONTEXT - 6}"),
+}
+CALLS = {
+    "generate": lambda g, p, sp: g.generate(p, sp),
+    "generate-batch": lambda g, p, sp: g.generate([[1, 2], p], [OK, sp]),
+    "stream": lambda g, p, sp: g.stream(p, sp),
+    "submit": lambda g, p, sp: g.submit(p, sp),
+    "submit_samples": lambda g, p, sp: g.submit_samples(p, attrs.evolve(sp, n=2, temperature=1.0)),
+}
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("case", OVER_LONG)
+def test_a_request_past_the_context_is_refused_never_cut(gen, case, call):
+    """A prompt or max_new_tokens past the maximum length raises before anything is queued or
+    any page held (the library's form of the server's 400), whatever the entry point."""
+    prompt, params, match = OVER_LONG[case]
+    assert_rejected_before_work(gen, lambda g: CALLS[call](g, prompt, params), ValueError, match)
+    assert_clean_and_working(gen)
+
+
+def test_a_request_that_exactly_fills_the_context_runs_to_its_end(gen):
+    out = gen.generate([1] * 6, SamplingParams(max_new_tokens=CONTEXT - 6, ignore_eos=True))
+    assert len(out.token_ids) == CONTEXT - 6 and out.finish_reason == "length"
+    assert_clean(gen)
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -818,8 +935,15 @@ _cli = run_cli  # (exit code, stdout, stderr) of one `specdec` command
         (["generate", "--target", "{stories}", "--prompt", "", "--dtype", "float32"], "prompt must not be empty"),
         (["generate", "--target", "{stories}", "--prompt", "x", "--dtype", "float8"], "dtype"),
         (["generate", "--target", "{stories}", "--prompt", "x", "--mtp-head", "/no/such/head"], "specdec: error: "),
+        (["generate", "--target", "{stories}", "--prompt", "Once", "--max-new-tokens", "100000000"],
+         r"max_new_tokens must be at most 510 .*maximum sequence length is 512 tokens \(the model's context"),
+        (["generate", "--target", "{stories}", "--prompt", "Once", "--max-model-len", "8", "--max-new-tokens", "7"],
+         r"max_new_tokens must be at most 6 .*max_model_len; raise .*--max-model-len"),
+        (["generate", "--target", "{stories}", "--prompt", "x", "--max-model-len", "1000"],
+         r"max_model_len \(1000\) exceeds the model's context \(max_position_embeddings = 512\)"),
     ],
-    ids=["missing-model", "temperature", "max-new-tokens", "empty-prompt", "dtype", "missing-head"],
+    ids=["missing-model", "temperature", "max-new-tokens", "empty-prompt", "dtype", "missing-head",
+         "past-context", "past-max-model-len", "max-model-len-past-context"],
 )
 def test_cli_errors_are_one_line_and_exit_2(stories_path, capsys, args, match):
     args = [a.replace("{stories}", str(stories_path)) for a in args]
@@ -836,6 +960,12 @@ def test_cli_debug_shows_the_traceback(capsys):
 
     with pytest.raises(FileNotFoundError):
         main(["--debug", "generate", "--target", "/no/such/model", "--prompt", "x"])
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "4k"])
+def test_cli_rejects_bad_max_model_len(stories_path, capsys, value):
+    code, _, err = _cli(["generate", "--target", str(stories_path), "--prompt", "x", "--max-model-len", value], capsys)
+    assert code == 2 and "--max-model-len: must be an int >= 1" in err
 
 
 @pytest.mark.parametrize("threads", ["0", "-2", "two"])

@@ -88,3 +88,31 @@ def test_demo_quantization_defaults():
     assert _quantizations(ns(quantization="q4", draft_quantization=None)) == ("q4", "q4")
     assert _quantizations(ns(quantization="q4", draft_quantization="none")) == ("q4", None)
     assert _quantizations(ns(quantization="none", draft_quantization="q4")) == (None, "q4")
+
+
+def test_max_model_len_bounds_generate_serve_and_demo(capsys, monkeypatch, tmp_path):
+    """--max-model-len on every command that builds a Generator; without it, the model's context
+    (the demo: 2048 within the target's context)."""
+    import argparse
+    import json
+
+    import specdec.server
+    from specdec.demo import _max_model_len
+
+    for command in ("generate", "serve", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--max-model-len" in capsys.readouterr().out
+    assert main(_common("--max-model-len", "20")) == 0
+    assert "there was" in capsys.readouterr().out
+    served = []
+    monkeypatch.setattr(specdec.server, "serve", lambda gen, config, **kwargs: served.append(gen))
+    path = str(bundled_model_path())
+    assert main(["serve", path, "--dtype", "float32", "--max-model-len", "64"]) == 0
+    assert main(["serve", path, "--dtype", "float32"]) == 0
+    assert [g.max_sequence_len for g in served] == [64, 512]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 32768}))
+    ns = argparse.Namespace
+    assert _max_model_len(ns(max_model_len=None), bundled_model_path()) == 512
+    assert _max_model_len(ns(max_model_len=None), tmp_path) == 2048
+    assert _max_model_len(ns(max_model_len=8192), tmp_path) == 8192

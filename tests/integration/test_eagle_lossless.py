@@ -75,7 +75,7 @@ def sample(models, sampling: str, mode: str, min_path_prob: float = 0.0) -> tupl
         target,
         proposer=eagle,
         cache_config=CacheConfig(
-            max_batch_size=BATCH, max_num_tokens=len(PROMPT) + POSITIONS, page_size=16, num_pages=2 * BATCH
+            max_batch_size=BATCH, max_model_len=len(PROMPT) + POSITIONS, page_size=16, num_pages=2 * BATCH
         ),
         policy=FixedPolicy(21),
     )

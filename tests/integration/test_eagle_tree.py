@@ -154,7 +154,7 @@ def test_ragged_batch_with_preemption(targets):
     plain = Generator.from_components(target).generate(prompts, GREEDY)
     head = random_eagle_head(target, EagleKind.EAGLE3, seed=4)
     # 2-slot pages, too few for all eight requests with 16-node trees in flight.
-    cache = CacheConfig(max_batch_size=8, max_num_tokens=48, page_size=2, num_pages=90)
+    cache = CacheConfig(max_batch_size=8, max_model_len=48, page_size=2, num_pages=90)
     gen = _eagle_gen(target, head, None, cache_config=cache)
     assert [o.token_ids for o in gen.generate(prompts, GREEDY)] == [o.token_ids for o in plain]
     assert gen.scheduler.num_preemptions > 0

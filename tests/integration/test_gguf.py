@@ -389,7 +389,7 @@ def test_q4_load_keeps_the_files_4bit_codes(tmp_path, kind, qtype_name):
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(path, source_model(kind), qtype)
-    dense = load(path)  # the file dequantized by transformers' GGUF reader, in float32
+    dense = load(path)  # the file dequantized densely, in float32 (as transformers' reader does)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         q4, _, _ = load_model(path, dtype="float32", quantization="q4")
@@ -457,8 +457,8 @@ def _gguf_parts(cfg, module: str) -> list[tuple[str, int]]:
 
 
 def dense_then_q4(path, dtype):
-    """The q4 model as ``load_model`` built it before reading GGUF files directly: transformers'
-    dense load, then every linear layer quantized, taking the file's codes for its 4-bit parts
+    """The q4 model as ``load_model`` built it before reading GGUF files directly: the dense
+    load, then every linear layer quantized, taking the file's codes for its 4-bit parts
     (Llama's q/k rows un-permuted) and quantizing the dense weights of the others."""
     from specdec.kernels.cpu_q4 import quantize_q4
     from specdec.models.gguf_q4 import _DECODERS, _reverse_permute_rows
@@ -551,3 +551,114 @@ def test_q4_from_the_file_never_builds_the_dense_model(q4_files, kind, monkeypat
     assert all(not t.is_meta for t in model.state_dict().values())
     out = Generator.from_components(model).generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+# --- one parse of the file per load -------------------------------------------------------------
+
+
+def count_parses(monkeypatch) -> dict[str, int]:
+    """From now on, count specdec's header reads and gguf-py reader constructions (the parse
+    transformers' GGUF loading does for the config, the model and the tokenizer)."""
+    from specdec.models.gguf_file import GgufFile
+
+    counts = {"GgufFile.read": 0, "GGUFReader": 0}
+    read, init = GgufFile.read.__func__, gguf.GGUFReader.__init__
+
+    def counting_read(cls, path):
+        counts["GgufFile.read"] += 1
+        return read(cls, path)
+
+    def counting_init(self, *args, **kwargs):
+        counts["GGUFReader"] += 1
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GgufFile, "read", classmethod(counting_read))
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counting_init)
+    return counts
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "q4"])
+def test_a_load_parses_the_file_once(files, kind, quantization, monkeypatch):
+    import warnings
+
+    path, _ = files(kind, Q8_0)
+    counts = count_parses(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # q4 of an 8-bit file says what it quantized
+        load_model(path, dtype="float32", quantization=quantization)
+    assert counts == {"GgufFile.read": 1, "GGUFReader": 0}
+
+
+def test_the_tokenizer_is_autotokenizers_with_fewer_parses(files, kind, monkeypatch):
+    """The same class and tokens as AutoTokenizer's own choice, with one parse less where this
+    transformers names a tokenizer after the model type (else AutoTokenizer decides alone)."""
+    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from specdec.codec import load_tokenizer
+
+    path, _ = files(kind, F32)
+    counts = count_parses(monkeypatch)
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    theirs, counts["GGUFReader"] = counts["GGUFReader"], 0
+    ours = load_tokenizer(path)
+    assert type(ours) is type(reference) and ours.get_vocab() == reference.get_vocab()
+    assert ours(TEXT)["input_ids"] == reference(TEXT)["input_ids"] and ours.eos_token_id == reference.eos_token_id
+    named = bool(TOKENIZER_MAPPING_NAMES.get(kind))
+    assert counts["GGUFReader"] < theirs if named else counts["GGUFReader"] == theirs
+
+
+def test_header_config_is_transformers_config(files, kind, qtype):
+    from transformers import AutoConfig
+
+    from specdec.models.gguf_file import GgufFile
+    from specdec.models.llama import ModelConfig
+
+    path, _ = files(kind, qtype)
+    ours = GgufFile.read(path).hf_config()
+    theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ModelConfig.from_hf_config(ours) == ModelConfig.from_hf_config(theirs)
+    public = lambda config: {k: v for k, v in config.to_dict().items() if not k.startswith("_")}  # noqa: E731
+    assert public(ours) == public(theirs)
+
+
+def test_header_reads_what_gguf_py_reads(files, kind, qtype):
+    """Every tensor's type, shape and bytes, and every metadata value (an array of strings by
+    its length), as gguf-py's reader has them."""
+    from specdec.models.gguf_file import GgufFile
+
+    path, _ = files(kind, qtype)
+    file, reader = GgufFile.read(path), gguf.GGUFReader(str(path))
+    assert list(file.tensors) == [t.name for t in reader.tensors]
+    for tensor in reader.tensors:
+        ours = file.tensors[tensor.name]
+        assert ours.tensor_type == tensor.tensor_type and ours.shape == tuple(int(s) for s in tensor.shape)
+        assert ours.data.tobytes() == tensor.data.tobytes()
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue  # the reader's own version and counts
+        value = field.contents()
+        strings = isinstance(value, list) and value and isinstance(value[0], str)
+        assert file.metadata[key] == (len(value) if strings else value), key
+
+
+def test_header_refuses_what_is_not_a_whole_gguf(files, tmp_path):
+    from specdec.models.gguf_file import GgufFile
+
+    data = files("qwen2", F32)[0].read_bytes()
+    cases = {
+        "cut.gguf": (data[: len(data) - 100], "cut.gguf is cut short: tensor .* ends past the end"),
+        "header.gguf": (data[:200], "header.gguf is cut short inside its header"),
+        "other.gguf": (b"PK\x03\x04" + data[4:], "other.gguf is not a GGUF file"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            load_model(tmp_path / name)
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="phi.gguf: GGUF architecture 'phi3' is not supported"):
+        GgufFile.read(tmp_path / "phi.gguf").hf_config()

@@ -14,7 +14,10 @@ pass means something.
 
 Cases cover both sampled rules (requests without a seed: rejection sampling from a generator
 stream; with one: the coupled rule over position-keyed noise, specdec.noise), a draft model,
-an MTP head (also with a draft vocabulary: zero draft probability outside it), prompt lookup
+an MTP head (also with a draft vocabulary: zero draft probability outside it), a draft model
+whose embedding table is shorter than the target's (rows past a shared 10-token tokenizer are
+padding: the draft gives the ids it lacks probability 0, and reads the ones the target emits
+as its last row), prompt lookup
 (one-hot drafts), a policy that picks a random k per request and step, and a page budget so
 tight that running requests are preempted and recomputed.
 
@@ -35,10 +38,10 @@ import attrs
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import ScriptedPolicy, chi_square_pvalue, coin_rule
+from helpers import ScriptedPolicy, chi_square_pvalue, coin_rule, word_tokenizer
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams, noise
-from specdec.models.llama import ModelConfig
+from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.loading import model_from_state_dict
 from specdec.models.mtp_head import MTPModule as MTPHeadModel
 from specdec.models.mtp_head import MTPModuleConfig as MTPHeadConfig
@@ -49,6 +52,8 @@ from specdec.verify.chain import ChainVerifier
 
 F64 = torch.float64
 VOCAB = 12
+# draft-padded: a draft of 11 rows, one tokenizer of 10 tokens (ids 10 and 11: padding).
+PADDED_TOKENIZER, PADDED_DRAFT_ROWS = 10, 11
 PROMPT = [3, 7, 1, 10]
 BATCH = 1024  # requests per generate() call
 NUM_BATCHES = 4
@@ -68,7 +73,7 @@ class Case:
 
     sampling: str
     k: int
-    proposer: str = "draft"  # draft | draft-confident | draft-vocab | mtp | mtp-vocab | mtp-confident | lookup | suffix | hybrid
+    proposer: str = "draft"  # draft | draft-confident | draft-vocab | draft-padded | mtp | mtp-vocab | mtp-confident | lookup | suffix | hybrid
     mode: str = "stream"  # stream (no seed: rejection sampling) | seeded (coupled rule)
     policy: str = "fixed"  # fixed k | random (a random k per request and step)
     pages: str = "roomy"  # roomy | tight (running requests are preempted)
@@ -102,6 +107,7 @@ CASES = [
     Case("t0.8-topk8-topp0.9", 3, "hybrid", "seeded"),
     Case("t1.0", 3, "mtp-vocab", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-vocab", "seeded"),
+    Case("t1.0", 3, "draft-padded", "stream"),
     Case("t1.0", 3, "draft-confident", "stream"),
     Case("t0.8-topk8-topp0.9", 3, "draft-confident", "seeded"),
     Case("t1.0", 3, "mtp-confident", "stream"),
@@ -163,6 +169,9 @@ def _proposer(models, kind: str, k: int):
         return DraftModel.from_model(models[2], num_speculative_tokens=k, confidence_threshold=0.15)
     if kind == "draft-vocab":  # the draft model drafts from 7 of the 12 tokens only
         return DraftModel.from_model(models[2], num_speculative_tokens=k, draft_vocab=[0, 1, 3, 4, 7, 9, 10])
+    if kind == "draft-padded":
+        short = cut_vocabulary(models[2], PADDED_DRAFT_ROWS)
+        return DraftModel.from_model(short, num_speculative_tokens=k, tokenizer=word_tokenizer(PADDED_TOKENIZER))
     if kind == "lookup":
         return PromptLookup(num_speculative_tokens=k)
     if kind == "suffix":  # every match may draft up to k nodes (a 1-token match too)
@@ -177,6 +186,17 @@ def _proposer(models, kind: str, k: int):
     return MTPHead.from_model(
         build_head(models[1]), num_speculative_tokens=k, draft_vocab=vocab, confidence_threshold=threshold
     )
+
+
+def cut_vocabulary(model: LlamaModel, rows: int) -> LlamaModel:
+    """``model`` with its embedding and LM head cut to their first ``rows`` rows."""
+    state = {
+        name: t[:rows] if name in ("embed_tokens.weight", "lm_head.weight") else t
+        for name, t in model.state_dict().items()
+    }
+    cut = LlamaModel(attrs.evolve(model.config, vocab_size=rows)).to(F64)
+    cut.load_state_dict(state)
+    return cut.eval().requires_grad_(False)
 
 
 def _params(case: Case, seed: int | None) -> SamplingParams:
@@ -235,6 +255,8 @@ def sample(
     page_size, pages = (16, 2 * BATCH) if case.pages == "roomy" else (2, 2600)
     gen = Generator.from_components(
         target,
+        # The target's tokenizer, which a padded draft's must be (the others need none).
+        word_tokenizer(PADDED_TOKENIZER) if case.proposer == "draft-padded" else None,
         proposer=_proposer(models, case.proposer, case.k),
         # Roomy: twice the pages a batch needs (admission keeps a page of headroom per running
         # request; with fewer, part of the batch would be admitted by a later mixed step).
@@ -243,7 +265,7 @@ def sample(
         # (~200 preemptions per batch), and speculate when pages allow (~900 drafts a batch).
         cache_config=CacheConfig(
             max_batch_size=BATCH,
-            max_num_tokens=len(PROMPT) + case.num_positions,
+            max_model_len=len(PROMPT) + case.num_positions,
             page_size=page_size,
             num_pages=pages,
         ),

@@ -214,7 +214,7 @@ def test_options_survive_preemption(stories, plain, proposer):
         tok,
         proposer=_proposer(target, proposer),
         policy=ScriptedPolicy(3, 8 if proposer in TREES else K),
-        cache_config=CacheConfig(page_size=4, num_pages=30, max_num_tokens=100),
+        cache_config=CacheConfig(page_size=4, num_pages=30, max_model_len=100),
     )
     for option in ("all", "bad-words"):
         for mode in MODES:

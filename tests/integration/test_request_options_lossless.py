@@ -176,7 +176,7 @@ def _generator(models, proposer: str, pages: str = "roomy") -> Generator:
         proposer=made,
         eos_token_ids=(EOS,),
         cache_config=CacheConfig(
-            max_batch_size=BATCH, max_num_tokens=len(PROMPT) + POSITIONS, page_size=page_size, num_pages=num_pages
+            max_batch_size=BATCH, max_model_len=len(PROMPT) + POSITIONS, page_size=page_size, num_pages=num_pages
         ),
         policy=FixedPolicy(12 if proposer == "eagle-tree" else K),
     )

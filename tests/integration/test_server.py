@@ -218,6 +218,8 @@ BAD_COMPLETIONS = [
     ({"suffix": "end"}, "suffix"),
     ({"best_of": 3}, "best_of"),
     ({"prompt": "once upon a time " * 400}, "prompt"),  # longer than the model's 512 positions
+    ({"max_tokens": 600}, "max_tokens"),  # prompt + max_tokens past the 512 positions
+    ({"max_tokens": 600, "n": 2, "temperature": 1}, "max_tokens"),
     ({"stream": "yes"}, "stream"),
 ]
 
@@ -243,6 +245,9 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "once upon a time " * 400}]}, "messages"),  # past 512 positions
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 600}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),
 ]
 
 
@@ -252,6 +257,44 @@ def test_bad_chats_are_400_naming_the_field(client, served, kwargs, param):
         client.chat.completions.create(model="stories", **kwargs)
     assert err.value.body["param"] == param, err.value.body
     assert _idle(served[0])
+
+
+def test_a_completion_past_the_context_is_400_with_the_numbers(gen, client, served):
+    n = len(gen.encode(PROMPT))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="stories", prompt=PROMPT, max_tokens=600)
+    body = err.value.body
+    assert body["param"] == "max_tokens"
+    assert body["message"] == (
+        f"max_tokens must be at most {512 - n} for this {n}-token prompt: the maximum sequence length is 512 "
+        f"tokens (the model's context, max_position_embeddings), and {n + 600} were requested ({n} in the "
+        "prompt, 600 in the completion)"
+    )
+    assert _idle(served[0])
+
+
+def test_a_chat_without_max_tokens_may_run_to_the_context_end(gen, client, served):
+    """OpenAI's chat default: no max_tokens is whatever the context leaves after the prompt."""
+    messages = [{"role": "user", "content": "A cat and a dog"}]
+    prompt = _chat_ids(gen, messages)
+    resp = client.chat.completions.create(model="stories", messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    assert resp.usage.completion_tokens == 512 - len(prompt) and resp.choices[0].finish_reason == "length"
+    assert client.models.list().data[0].model_extra["max_model_len"] == 512
+    _wait_idle(served[0])
+
+
+def test_a_server_bounded_by_max_model_len(stories_path):
+    gen = Generator.from_pretrained(stories_path, dtype="float32", cache_config=CacheConfig(max_model_len=64))
+    messages = [{"role": "user", "content": "A cat"}]
+    with running_server(gen, ServerConfig(model_name="s", chat_template=TEMPLATE)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.models.list().data[0].model_extra["max_model_len"] == 64
+        resp = client.chat.completions.create(model="s", messages=messages, temperature=0, extra_body={"ignore_eos": True})
+        assert resp.usage.prompt_tokens + resp.usage.completion_tokens == 64
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="s", prompt=PROMPT, max_tokens=60)
+        assert err.value.body["param"] == "max_tokens" and "(max_model_len; raise" in err.value.body["message"]
 
 
 def test_unknown_model_is_404_and_bad_json_400(client, served):
@@ -328,7 +371,7 @@ def test_streaming_client_that_disconnects_cancels(gen, served, monkeypatch):
     server, url = served
     _slow_engine(gen, monkeypatch)
     before = server.state.metrics.finished.labels("stories", "cancelled")._value.get()
-    body = {"model": "stories", "prompt": PROMPT, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+    body = {"model": "stories", "prompt": PROMPT, "max_tokens": 480, "temperature": 0, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -343,7 +386,7 @@ def test_waiting_client_that_disconnects_cancels(gen, served, monkeypatch):
     _slow_engine(gen, monkeypatch)
     before = server.state.metrics.finished.labels("stories", "cancelled")._value.get()
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "stories", "prompt": PROMPT, "max_tokens": 4000, "temperature": 0,
+    body = json.dumps({"model": "stories", "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
                        "ignore_eos": True}).encode()  # fmt: skip
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

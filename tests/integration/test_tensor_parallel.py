@@ -88,7 +88,7 @@ def _cases(target_path, tmp, dtype, prompts):
     mtp, eagle = _random_heads(target_path, tmp, dtype)
     # 2-slot pages, too few for every request with 16-node trees in flight: preemptions free
     # and re-take pages mid-generation (the journal must carry them to rank 1).
-    tight = CacheConfig(max_batch_size=4, max_num_tokens=64, page_size=2, num_pages=40)
+    tight = CacheConfig(max_batch_size=4, max_model_len=64, page_size=2, num_pages=40)
     return [
         ("plain", None, None, None),
         ("draft", ("draft", str(draft), dtype, 3), None, None),

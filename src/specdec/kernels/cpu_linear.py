@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import logging
 import os
+import sys
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -36,6 +40,8 @@ __all__ = [
     "packed_linear_reference",
     "load_kernel",
     "kernel_available",
+    "build_key",
+    "build_environment",
     "avx512_disabled",
     "bf16_dot_available",
     "bf16_dot_mode",
@@ -44,6 +50,7 @@ __all__ = [
 ]
 
 PANEL = 16
+_log = logging.getLogger("specdec.kernels")
 # One extension: the bindings live in cpu_decoder.cpp.
 _SOURCES = (
     "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_decoder.cpp"
@@ -90,7 +97,8 @@ def _cpu_supports_avx2_fma_f16c() -> bool:
 
 @functools.cache
 def load_kernel() -> object | None:
-    """Build (once per machine and torch version, cached on disk) and load the kernel."""
+    """Build (once per machine, kernel source and environment, cached on disk; a warning on the
+    ``specdec.kernels`` logger says so before the ~40 s wait) and load the kernel."""
     if os.environ.get("SPECDEC_DISABLE_CPU_KERNEL") or not _cpu_supports_avx2_fma_f16c():
         return None
     try:  # everything, file I/O included: any failure falls back to the torch reference
@@ -100,19 +108,65 @@ def load_kernel() -> object | None:
         return None
 
 
+_NAME = "specdec_cpu_kernels"
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+
+def build_key(sources: Sequence[bytes], environment: Mapping[str, str]) -> str:
+    """12 hex digits naming one build: a pure function of the kernel sources' bytes and of
+    ``environment`` (:func:`build_environment`), the same for the same inputs in any order of
+    ``environment``'s items.
+
+    >>> build_key([b"int f();"], {"python": "/venv-a/bin/python"}) == build_key(
+    ...     [b"int f();"], {"python": "/venv-b/bin/python"})
+    False
+    """
+    h = hashlib.sha256()
+    for code in sources:
+        h.update(hashlib.sha256(code).digest())  # per file: two files never read as one
+    h.update(json.dumps(sorted(environment.items())).encode())
+    return h.hexdigest()[:12]
+
+
+def build_environment() -> dict[str, str]:
+    """What makes two builds of the same sources differ: ``cpp_extension`` writes the
+    interpreter's and torch's include and library paths, the compiler and the flags into the
+    build folder's ``build.ninja``, and ninja rebuilds everything when that file changes. A
+    folder shared by two virtual environments would be rebuilt (35-40 s) each time the other
+    one loads it."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    return {
+        "python": sys.executable,
+        "prefix": sys.prefix,
+        "python_include": sysconfig.get_paths()["include"],
+        "torch": torch.__version__,
+        "torch_include": os.pathsep.join(cpp_extension.include_paths()),
+        "torch_lib": os.pathsep.join(cpp_extension.library_paths()),
+        "cxx11_abi": str(torch.compiled_with_cxx11_abi()),
+        "cxx": os.environ.get("CXX", "c++"),
+        "cflags": " ".join(_CFLAGS),
+        "ldflags": " ".join(_LDFLAGS),
+    }
+
+
 def _build_and_load() -> object:
     from torch.utils import cpp_extension
 
-    from specdec.paths import cache_root
+    from specdec.paths import kernel_builds_dir
 
-    # Build from copies at a path keyed by the sources' content: every checkout and virtual
-    # environment with the same kernel sources and torch reuses one build (ninja would rebuild
-    # for a source at a new path), and changed sources get a build of their own.
+    # Build from copies at a path keyed by the sources' content and the environment: every
+    # checkout with the same kernel sources reuses one build per environment (ninja would
+    # rebuild for a source at a new path, or for another environment's build.ninja), and
+    # changed sources get a build of their own.
     here = Path(__file__).parent
     sources = [here / name for name in _SOURCES]
     codes = [source.read_bytes() for source in sources]
-    digest = hashlib.sha256(b"".join(codes)).hexdigest()[:12]
-    build_dir = cache_root() / "torch_extensions" / f"cpu_kernels-{torch.__version__}-{digest}"
+    digest = build_key(codes, build_environment())
+    build_dir = kernel_builds_dir() / f"cpu_kernels-{torch.__version__}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     stable = []
     for source, code in zip(sources, codes):
@@ -124,14 +178,23 @@ def _build_and_load() -> object:
             tmp.write_bytes(code)
             os.replace(tmp, copy)
         stable.append(str(copy))
-    return cpp_extension.load(
-        name="specdec_cpu_kernels",
+    built = (build_dir / f"{_NAME}.so").is_file()
+    if not built:  # said before the wait, which may fall inside the caller's first generate()
+        _log.warning(
+            "building specdec CPU kernels (first use in this environment, ~40 s) in %s", build_dir
+        )
+    start = time.perf_counter()
+    kernel = cpp_extension.load(
+        name=_NAME,
         sources=stable,
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-funroll-loops", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
         build_directory=str(build_dir),
         verbose=False,
     )
+    if not built:
+        _log.warning("built specdec CPU kernels in %.1f s", time.perf_counter() - start)
+    return kernel
 
 
 def kernel_available() -> bool:

@@ -210,6 +210,10 @@ class EagleHeadConfig:
             sliding_window=None,
             inv_freq=self.inv_freq,
             rope_attention_scaling=self.rope_attention_scaling,
+            # EAGLE heads are Llama layers whatever the target (public EAGLE-3 heads for Qwen3
+            # have no q/k norms): the target's architecture-specific fields do not carry over.
+            qk_norm=False,
+            hidden_act="silu",
         )
 
     def to_json(self) -> dict[str, object]:

@@ -1,24 +1,84 @@
-"""GGUF files read densely through transformers' GGUF reader (the ``[gguf]`` extra).
+"""GGUF files read densely (the ``[gguf]`` extra).
 
-Both the loader (:func:`specdec.models.loading.load_model` on a ``.gguf`` file) and the fetcher
-(:func:`specdec.hub.convert_gguf`) read a GGUF this way; it lives here, apart from both, so
-neither has to import the other (the loader already turns known names into paths through the
-hub). ``quantization="q4"`` reads a GGUF differently, keeping its codes
-(:mod:`specdec.models.gguf_q4`).
+The loader (:func:`specdec.models.loading.load_model` on a ``.gguf`` file) takes the tensors of
+its one parse of the file (:class:`~specdec.models.gguf_file.GgufFile`) through
+:func:`gguf_state`: Hugging Face names and row order, dequantized to float32 one tensor at a
+time. The fetcher (:func:`specdec.hub.convert_gguf`) writes a Hugging Face directory, so it
+reads the file through transformers' GGUF reader (:func:`read_gguf_model`). Both live here,
+apart from the loader and the fetcher, so neither has to import the other (the loader already
+turns known names into paths through the hub). ``quantization="q4"`` reads a GGUF differently,
+keeping its codes (:mod:`specdec.models.gguf_q4`).
 
 Example::
 
+    state = dict(gguf_state(GgufFile.read(Path("model.gguf"))))   # HF names -> float32
     model = read_gguf_model(Path("model.gguf"), torch.bfloat16)   # a transformers model
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-__all__ = ["gguf_load_kwargs", "read_gguf_model"]
+from specdec.models.gguf_file import GgufFile, hf_row_order
+
+__all__ = ["gguf_load_kwargs", "gguf_state", "hf_name", "read_gguf_model"]
+
+# llama.cpp's names -> Hugging Face's: top-level modules, and the modules inside each ``blk.N``.
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors a Hugging Face model has no place for: Llama 3's RoPE frequency factors (transformers'
+# GGUF reader drops them too; the rotary frequencies come from the config).
+_DROPPED = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``; a name of neither
+    table comes back as it is (the model's loader then reports it as unexpected).
+
+    >>> hf_name("blk.3.ffn_down.weight"), hf_name("output_norm.weight")
+    ('model.layers.3.mlp.down_proj.weight', 'model.norm.weight')
+    """
+    module, _, leaf = gguf_name.rpartition(".")
+    if module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.{leaf}"
+    block = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
+    if block is not None and block.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{block.group(1)}.{_BLOCK_NAMES[block.group(2)]}.{leaf}"
+    return gguf_name
+
+
+def gguf_state(file: GgufFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``file`` by Hugging Face name, dequantized to float32, one at a time (as
+    :func:`specdec.models.loading.model_from_state_dict` takes them), with Llama's q/k rows
+    (weights and biases) back in Hugging Face order."""
+    config = file.config_dict()
+    heads = {
+        ".attn_q.": config.get("num_attention_heads"),
+        ".attn_k.": config.get("num_key_value_heads"),
+    }
+    for name, tensor in file.tensors.items():
+        if name in _DROPPED:
+            continue
+        values = tensor.values()
+        part = next((p for p in heads if p in name), None)
+        if file.permutes_qk and part is not None:
+            n_heads = heads[part] or config["num_attention_heads"]  # no head_count_kv: MHA
+            values = values[hf_row_order(values.shape[0], int(n_heads))]
+        yield hf_name(name), values
 
 
 def read_gguf_model(path: Path, dtype: torch.dtype) -> object:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from specdec.kernels.cpu_q4 import pack_q4, quantize_q4
-from specdec.models.llama import Architecture, LlamaModel, ModelConfig
+from specdec.models.gguf_file import GgufFile, hf_row_order
+from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.quantized import quantize_linears
 
 __all__ = ["Q4Codes", "load_gguf_q4"]
@@ -81,69 +82,45 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # [
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
 
 
-def _hf_row_order(rows: int, heads: int) -> torch.Tensor:
-    """``[rows]`` int64: the file row of each Hugging Face (and specdec) row of a Llama q/k
-    tensor. llama.cpp's converter stores each head's rows as interleaved pairs for its RoPE
-    (``reshape(heads, 2, r / 2).swapaxes(1, 2)``); this is the inverse, as transformers' GGUF
-    reader applies it."""
-    order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
-    return torch.argsort(order)
-
-
 def _reverse_permute_rows(codes: Q4Codes, heads: int) -> Q4Codes:
     """Undo llama.cpp's q/k row order for Llama (its RoPE pairs adjacent rows): the rows the
     Hugging Face layout (and specdec) has, for per-row codes."""
-    inverse = _hf_row_order(codes[0].shape[0], heads)
+    inverse = hf_row_order(codes[0].shape[0], heads)
     return tuple(part[inverse] for part in codes)  # type: ignore[return-value]
 
 
-def load_gguf_q4(path: Path, dtype: torch.dtype) -> tuple[LlamaModel, object]:
-    """A q4 model read from a GGUF file tensor by tensor: ``(model, hf_config)``.
+def load_gguf_q4(file: GgufFile, dtype: torch.dtype) -> tuple[LlamaModel, object]:
+    """A q4 model read from a GGUF file (parsed once, ``file``) tensor by tensor:
+    ``(model, hf_config)``.
 
     The model is a q4 skeleton on the meta device whose state is assigned from the file: each
     linear layer's packed codes (the file's own for Q4_0/Q4_1/Q4_K parts, the quantized
     dequantized weight otherwise), biases in float32, norms and input embedding in ``dtype``.
     At most one dense tensor exists at a time (a chunk of rows of a large one), never the
     whole dense model. Warns naming the tensors quantized anew."""
-    from gguf import GGUFReader
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    hf_config = file.hf_config()
     cfg = ModelConfig.from_hf_config(hf_config)
     with torch.device("meta"):
         model = LlamaModel(cfg).to(dtype)
         quantize_linears(model, "q4")
     expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    state, adopted, requantized = _q4_state(cfg, _TensorSource(path, tensors), expected, dtype)
-    _check_state(path, state, expected)
+    state, adopted, requantized = _q4_state(cfg, file, expected, dtype)
+    _check_state(file.path, state, expected)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
     if requantized:
         kinds = sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in requantized})
         warnings.warn(
-            f"{path.name}: q4 kept the file's 4-bit codes of {len(adopted)} tensors and quantized "
+            f"{file.path.name}: q4 kept the file's 4-bit codes of {len(adopted)} tensors and quantized "
             f"{len(requantized)} others ({', '.join(kinds)}) from their dequantized weights",
             stacklevel=3,  # the caller of load_model
         )
     return model.eval().requires_grad_(False), hf_config
 
 
-class _TensorSource:
-    """The tensors of one GGUF file by name; a missing one raises naming the file."""
-
-    def __init__(self, path: Path, tensors: Mapping[str, object]) -> None:
-        self.path, self.tensors = path, tensors
-
-    def __getitem__(self, name: str):  # a gguf ReaderTensor
-        if name not in self.tensors:
-            raise ValueError(f"{self.path.name} has no tensor {name!r}, which its config requires")
-        return self.tensors[name]
-
-
 def _q4_state(
     cfg: ModelConfig,
-    tensors: _TensorSource,
+    file: GgufFile,
     expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
     dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
@@ -156,27 +133,27 @@ def _q4_state(
     def linear(module: str, names: list[str]) -> None:
         groups = expected[f"{module}.packed"][0][1]
         sizes = _part_sizes(cfg, names)
-        orders = [_row_order(cfg, n, size) for n, size in zip(names, sizes)]
+        orders = [_row_order(cfg, file, n, size) for n, size in zip(names, sizes)]
         codes, own = zip(*(
-            _part_codes(tensors[n], size, groups, o, dtype) for n, size, o in zip(names, sizes, orders)
+            _part_codes(file.tensor(n), size, groups, o, dtype) for n, size, o in zip(names, sizes, orders)
         ))  # fmt: skip
         state[f"{module}.packed"] = pack_q4(*(torch.cat(p) for p in zip(*codes)))
         for name, kept in zip(names, own):
             (adopted if kept else requantized).append(name)
         if f"{module}.bias" in expected:  # the model's dtype first: as a dense load rounds it
-            bias = [_vector(tensors[n.replace(".weight", ".bias")], o) for n, o in zip(names, orders)]
+            bias = [_vector(file.tensor(n.replace(".weight", ".bias")), o) for n, o in zip(names, orders)]
             state[f"{module}.bias"] = torch.cat(bias).to(dtype).float()
 
     for i in range(cfg.num_layers):
         for module, parts in _PARTS.items():
             linear(f"layers.{i}.{module}", [f"blk.{i}.{part}.weight" for part in parts])
-        state[f"layers.{i}.input_layernorm.weight"] = _vector(tensors[f"blk.{i}.attn_norm.weight"]).to(dtype)
+        state[f"layers.{i}.input_layernorm.weight"] = _vector(file.tensor(f"blk.{i}.attn_norm.weight")).to(dtype)
         state[f"layers.{i}.post_attention_layernorm.weight"] = _vector(
-            tensors[f"blk.{i}.ffn_norm.weight"]
+            file.tensor(f"blk.{i}.ffn_norm.weight")
         ).to(dtype)
     linear("lm_head", ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"])
-    state["norm.weight"] = _vector(tensors["output_norm.weight"]).to(dtype)
-    state["embed_tokens.weight"] = _embedding(tensors["token_embd.weight"], dtype)
+    state["norm.weight"] = _vector(file.tensor("output_norm.weight")).to(dtype)
+    state["embed_tokens.weight"] = _embedding(file.tensor("token_embd.weight"), dtype)
     return state, adopted, requantized
 
 
@@ -206,15 +183,16 @@ def _part_sizes(cfg: ModelConfig, names: list[str]) -> list[int]:
     return [cfg.vocab_size]
 
 
-def _row_order(cfg: ModelConfig, gguf_name: str, rows: int) -> torch.Tensor | None:
-    """The file rows of a tensor's ``rows`` specdec rows (Llama's q/k and their biases), or
-    ``None`` where the file already has specdec's order."""
-    if cfg.architecture != Architecture.LLAMA or not re.search(r"\.attn_[qk]\.", gguf_name):
+def _row_order(cfg: ModelConfig, file: GgufFile, gguf_name: str, rows: int) -> torch.Tensor | None:
+    """The file rows of a tensor's ``rows`` specdec rows (the q/k and their biases of a file
+    llama.cpp wrote as "llama", Mistral's included), or ``None`` where the file already has
+    specdec's order."""
+    if not file.permutes_qk or not re.search(r"\.attn_[qk]\.", gguf_name):
         return None
-    return _hf_row_order(rows, cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads)
+    return hf_row_order(rows, cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads)
 
 
-def _matrix_rows(tensor) -> np.ndarray:  # [rows, bytes (or values) per row], a view of the file
+def _matrix_rows(tensor) -> np.ndarray:  # [rows, bytes per row] uint8, a view of the file
     rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
     return tensor.data.reshape(rows, -1)
 

@@ -69,8 +69,11 @@ def dense_qkv(
     to the query heads (training forwards: no KV cache, autograd through everything)."""
     b, t, _ = attn_in.shape
     q, k, v = attn.qkv_proj(attn_in).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
-    q = apply_rope(q.view(b, t, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rope(k.view(b, t, attn.num_kv_heads, attn.head_dim), cos, sin)
+    q = q.view(b, t, attn.num_heads, attn.head_dim)
+    k = k.view(b, t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:  # Qwen3 layers: each head's channels normed before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.view(b, t, attn.num_kv_heads, attn.head_dim)
     rep = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)

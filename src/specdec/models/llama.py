@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Llama 3, Qwen2, Mistral) over the paged KV cache.
+"""Llama-family decoder (Llama, Llama 3, Qwen2, Qwen3, Mistral) over the paged KV cache.
 
 Parameter names follow Hugging Face's except for two fusions that cut the number of matrix
 products per layer on small batches: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate
@@ -18,6 +18,7 @@ from torch import nn
 
 from specdec.interfaces import AttentionBackend, AttentionSpec
 from specdec.kv.paged import KVSpec, ModelKV
+from specdec.models import config_checks
 from specdec.types import BatchLayout, ModelOutput
 
 __all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
@@ -26,12 +27,14 @@ __all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope"
 class Architecture(enum.Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"
+    QWEN3 = "qwen3"
     MISTRAL = "mistral"
 
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": Architecture.LLAMA,
     "Qwen2ForCausalLM": Architecture.QWEN2,
+    "Qwen3ForCausalLM": Architecture.QWEN3,
     "MistralForCausalLM": Architecture.MISTRAL,
 }
 
@@ -58,10 +61,18 @@ class ModelConfig:
     inv_freq: tuple[float, ...]  # RoPE inverse frequencies (scaling already applied)
     rope_attention_scaling: float
     eos_token_ids: tuple[int, ...]
+    # The MLP's activation, a key of transformers' ACT2FN; only SiLU takes the CPU kernels'
+    # fused paths (see _fused_ops).
+    hidden_act: str = "silu"
+    # Qwen3's per-head RMSNorm of queries and keys (``self_attn.q_norm``/``k_norm``, weights of
+    # ``head_dim``), applied before RoPE; such models skip the whole-stack kernel (_decoder_stack).
+    qk_norm: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> ModelConfig:
-        """Read a transformers ``PretrainedConfig``; unsupported architectures raise ValueError."""
+        """Read a transformers ``PretrainedConfig``. Unsupported architectures, and config
+        fields this decoder cannot honour (:mod:`specdec.models.config_checks`), raise
+        ValueError naming them."""
         archs = tuple(getattr(hf_config, "architectures", None) or ())
         model_type = getattr(hf_config, "model_type", None)
         arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
@@ -72,14 +83,14 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: specdec supports {supported}"
             )
+        config_checks.check_quantization_config(hf_config)
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )
-        inv_freq, attention_scaling = _rope_parameters(hf_config)
-        qkv_bias = arch is Architecture.QWEN2 or bool(getattr(hf_config, "attention_bias", False))
-        window = getattr(hf_config, "sliding_window", None)
-        if arch is Architecture.QWEN2 and not getattr(hf_config, "use_sliding_window", False):
-            window = None
+        hidden_act = config_checks.check_activation(hf_config)
+        window = config_checks.uniform_window(hf_config, arch.value)
+        qkv_bias, o_bias, mlp_bias = config_checks.linear_biases(hf_config, arch.value)
+        inv_freq, attention_scaling = _rope_parameters(hf_config, head_dim)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         return cls(
@@ -94,14 +105,16 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             qkv_bias=qkv_bias,
-            o_bias=arch is not Architecture.QWEN2 and bool(getattr(hf_config, "attention_bias", False)),
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=hf_config.max_position_embeddings,
             sliding_window=window,
             inv_freq=tuple(inv_freq.tolist()),
             rope_attention_scaling=float(attention_scaling),
             eos_token_ids=eos_ids,
+            hidden_act=hidden_act,
+            qk_norm=arch is Architecture.QWEN3,
         )
 
     def kv_spec(self, name: str, dtype: torch.dtype) -> KVSpec:
@@ -124,22 +137,20 @@ class ModelConfig:
         )
 
 
-def _rope_parameters(hf_config: object) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies exactly as transformers computes them (all RoPE scaling types)."""
+def _rope_parameters(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies exactly as transformers computes them (every static RoPE scaling
+    type; the others raise, see :func:`~specdec.models.config_checks.check_rope_type`)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    rope_type = config_checks.check_rope_type(params)
     if rope_type == "default":
         theta = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
-        )
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv_freq, 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {rope_type!r}: allowed {sorted(ROPE_INIT_FUNCTIONS)}")
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    config_checks.check_rotary_dims(inv_freq, head_dim, params)
+    return inv_freq, scaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,8 +196,9 @@ def _decoder_stack(model: LlamaModel, ops: object | None, kv, backend, plan) -> 
     """The layers' :class:`~specdec.models.cpu_decoder.StackArguments` when this forward can run
     every layer in one kernel call (the fused bf16 path, the CPU attention kernel, kernel-shaped
     linears), else None. The arguments are kept on the model between forwards (a cache of what
-    its layers hold, checked against them at every forward)."""
-    if ops is None:
+    its layers hold, checked against them at every forward). Not for Qwen3: the kernel has no
+    q/k norm, so its layers keep the loop (:meth:`LlamaModel._fused_layer_states`)."""
+    if ops is None or model.layer_config.qk_norm:
         return None
     from specdec.models import cpu_decoder
 
@@ -195,6 +207,21 @@ def _decoder_stack(model: LlamaModel, ops: object | None, kv, backend, plan) -> 
     args = cpu_decoder.stack_arguments(model.layers, model.__dict__.get("_decoder_stack"))
     model.__dict__["_decoder_stack"] = args
     return args if args.fits else None
+
+
+def _norm_qk(
+    ops,
+    qkv: torch.Tensor,  # [num_tokens, (Hq + 2 Hkv) * D] bf16
+    attn: Attention,
+) -> torch.Tensor:  # [num_tokens, (Hq + 2 Hkv) * D] bf16
+    """``qkv`` with Qwen3's per-head RMSNorm applied to q and k (v as it was), each head a row
+    of the kernel's ``add_rms_norm`` (the arithmetic of :func:`rms_norm`), so that ``rope_qk``
+    then rotates the normed heads, as transformers does."""
+    n, d = qkv.shape[0], attn.head_dim
+    q, k, v = qkv.split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
+    q = ops.add_rms_norm(q.reshape(-1, d).contiguous(), None, attn.q_norm.weight, attn.q_norm.eps)
+    k = ops.add_rms_norm(k.reshape(-1, d).contiguous(), None, attn.k_norm.weight, attn.k_norm.eps)
+    return torch.cat((q[1].view(n, -1), k[1].view(n, -1), v), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -215,6 +242,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -227,8 +256,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: over each head's channels, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = backend.run(plan, q, k, v, layer_kv[0], layer_kv[1])
         return self.o_proj(out.reshape(n, self.q_size))
@@ -240,10 +271,21 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = _activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``F.silu`` for SiLU; else transformers' own ``ACT2FN[name]`` (checked parameter-free by
+    :func:`~specdec.models.config_checks.check_activation`), the very function it applies."""
+    if name in config_checks.SILU_NAMES:
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class DecoderLayer(nn.Module):
@@ -333,7 +375,10 @@ class LlamaModel(nn.Module):
         if not layers or bad:
             raise ValueError(f"layers must be a non-empty tuple of ints in 0..{n}, got {layers!r}")
         cos, sin = self.rope(positions)
-        ops = _fused_ops(embeds)
+        # The fused ops compute SiLU-and-multiply (silu_mul, and inside the whole-stack
+        # kernel): a model of another activation runs its layers' own modules.
+        silu = self.layer_config.hidden_act in config_checks.SILU_NAMES
+        ops = _fused_ops(embeds) if silu else None
         stack = _decoder_stack(self, ops, kv, backend, plan)
         if stack is not None:  # every layer in one kernel call, bitwise the loops below
             from specdec.models.cpu_decoder import run_stack
@@ -353,10 +398,11 @@ class LlamaModel(nn.Module):
     def _fused_layer_states(self, ops, h, cos, sin, kv, backend, plan, wanted) -> dict[int, torch.Tensor]:
         """:meth:`layer_states` for bf16 on CPUs with the kernel's fused small ops (see
         ``kernels/cpu_layer_ops.cpp``): one call each for residual add + RMSNorm, RoPE of q
-        and k, and SiLU-and-multiply, where the plain path takes ~55 tensor ops a layer. The
-        residual of each sub-block is added by the next norm (``delta``), so the input of layer
-        ``i`` exists only after its first norm; ``add_rms_norm`` returns a new tensor there,
-        never overwritten later, so keeping it costs nothing."""
+        and k (after Qwen3's q/k norm, :func:`_norm_qk`), and SiLU-and-multiply, where the
+        plain path takes ~55 tensor ops a layer. The residual of each sub-block is added by the
+        next norm (``delta``), so the input of layer ``i`` exists only after its first norm;
+        ``add_rms_norm`` returns a new tensor there, never overwritten later, so keeping it
+        costs nothing."""
         n = h.shape[0]
         cos, sin = cos.view(n, -1), sin.view(n, -1)  # [num_tokens, head_dim]
         delta = None  # [num_tokens, hidden] still to be added to h
@@ -368,6 +414,8 @@ class LlamaModel(nn.Module):
             if i in wanted:
                 states[i] = h
             qkv = attn.qkv_proj(x)  # [num_tokens, (Hq + 2 Hkv) * D]
+            if attn.q_norm is not None:
+                qkv = _norm_qk(ops, qkv, attn)
             q, k = ops.rope_qk(qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
             out = backend.run(plan, q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]

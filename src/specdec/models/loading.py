@@ -1,10 +1,11 @@
 """Checkpoint loading: Hugging Face directories (safetensors, sharded or not), GGUF files, hub ids.
 
 Only safetensors are read (never pickles). Weights stream tensor by tensor into a model built
-on the meta device, so a checkpoint is never held twice in memory. GGUF files go through
-transformers' GGUF reader into a dense model (:mod:`specdec.models.gguf_dense`), except with
-``quantization="q4"``: then :func:`specdec.models.gguf_q4.load_gguf_q4` assembles the q4 model
-tensor by tensor.
+on the meta device, so a checkpoint is never held twice in memory. A GGUF file is parsed once
+per load (:class:`~specdec.models.gguf_file.GgufFile`: config, tensor table, memory-mapped
+tensors); its tensors stream into a dense model (:func:`specdec.models.gguf_dense.gguf_state`),
+except with ``quantization="q4"``: then :func:`specdec.models.gguf_q4.load_gguf_q4` assembles
+the q4 model tensor by tensor.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from specdec.disk_cache import packed_cache_max_bytes
 from specdec.kernels.cpu_linear import kernel_available
-from specdec.models.gguf_dense import read_gguf_model
+from specdec.models.gguf_dense import gguf_state
+from specdec.models.from_transformers import is_transformers_model, source_dir, transformers_tensors
+from specdec.models.gguf_file import GgufFile
 from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears, should_pack
@@ -31,6 +35,7 @@ from specdec.models.quantized import check_quantization, quantize_linears
 __all__ = [
     "load_model",
     "load_hf_config",
+    "local_context",
     "model_from_state_dict",
     "resolve_dtype",
     "resolve_device",
@@ -91,6 +96,16 @@ def load_hf_config(path: str | Path) -> object:
         return AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, json.JSONDecodeError) as err:
         raise ValueError(f"cannot read {str(path / 'config.json')!r}: {err}") from err
+
+
+def local_context(source: object) -> int | None:
+    """The ``max_position_embeddings`` of a model directory already on disk, from its
+    ``config.json`` alone (no weights read); ``None`` for anything else (a known name, a hub id,
+    a ``.gguf`` file), whose context is known only once loaded."""
+    if not isinstance(source, (str, Path)) or not (Path(source).expanduser() / "config.json").is_file():
+        return None
+    context = getattr(load_hf_config(Path(source).expanduser()), "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -198,13 +213,13 @@ def model_from_state_dict(
 
 
 def load_model(
-    source: str | Path,
+    source: str | Path | torch.nn.Module,
     *,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     pack: bool | None = None,
     quantization: str | None = None,
-) -> tuple[LlamaModel, object, Path]:
+) -> tuple[LlamaModel, object, Path | None]:
     """Load ``source`` (HF directory, ``.gguf`` file, known name or hub id).
 
     ``pack`` swaps bf16 linear layers for the packed CPU kernel (``None``: when it helps,
@@ -214,18 +229,34 @@ def load_model(
     read from a GGUF file: a q4 one is read straight from the file, keeping its 4-bit codes, see
     :mod:`specdec.models.gguf_q4`; int8 quantizes its dense load). Returns
     ``(model, hf_config, model_dir)``; ``model_dir`` holds the tokenizer files.
+
+    ``source`` may also be a transformers model in memory (:mod:`specdec.models.from_transformers`:
+    its weights copied in ``dtype``, never cached on disk); ``model_dir`` is then the local
+    directory it was loaded from, or ``None``.
     """
     check_quantization(quantization, device)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    if is_transformers_model(source):
+        hf_config = source.config  # checked as a checkpoint's config.json would be
+        tensors = transformers_tensors(source, dtype=torch_dtype, device=torch_device)
+        model = model_from_state_dict(
+            ModelConfig.from_hf_config(hf_config), tensors, dtype=torch_dtype, device=torch_device
+        )
+        if quantization is not None:
+            quantize_linears(model, quantization)
+        elif pack or (pack is None and should_pack(model)):
+            pack_linears(model)
+        return settle_weights(model), hf_config, source_dir(source)
     path = resolve_source(source)
     if path.suffix == ".gguf":
+        _import_gguf()
+        gguf_file = GgufFile.read(path)  # the one parse of the file: everything below reads it
         if quantization == "q4":  # assembled tensor by tensor, never as a dense model
-            _import_gguf()
             from specdec.models.gguf_q4 import load_gguf_q4
 
-            model, hf_config = load_gguf_q4(path, torch_dtype)
+            model, hf_config = load_gguf_q4(gguf_file, torch_dtype)
             return settle_weights(model), hf_config, path
-        model, hf_config, path = _load_gguf(path, torch_dtype, torch_device)
+        model, hf_config = _load_gguf(gguf_file, torch_dtype, torch_device)
         if quantization is not None:
             quantize_linears(model, quantization)
         elif pack or (pack is None and should_pack(model)):
@@ -240,6 +271,7 @@ def load_model(
     cached_format = torch_dtype == torch.bfloat16 and (wants_pack or quantization is not None)
     cache_file = packed_cache_file(files, quantization) if cached_format else None
     if cache_file is not None:
+        max_bytes = packed_cache_max_bytes()  # a bad setting fails before the slow part
         cached = load_packed(cfg, cache_file, torch_device, quantization)
         if cached is not None:
             return settle_weights(cached, cache_file if quantization else None), hf_config, path
@@ -249,7 +281,9 @@ def load_model(
     elif wants_pack:
         pack_linears(model)
     if cache_file is not None:
-        save_packed(model, cache_file)
+        label = f"{path} ({quantization or 'bf16, packed'})"
+        if not save_packed(model, cache_file, max_bytes=max_bytes, label=label):
+            cache_file = None  # not cached (over the bound, disk full): nothing to map
     return settle_weights(model, cache_file if quantization else None), hf_config, path
 
 
@@ -283,15 +317,9 @@ def _import_gguf() -> None:
         raise ImportError("loading .gguf files needs the gguf extra: pip install 'specdec[gguf]'") from err
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object, Path]:
-    """Dequantize a GGUF file through transformers' GGUF reader (needs the ``gguf`` extra)."""
-    _import_gguf()
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+def _load_gguf(file: GgufFile, dtype: torch.dtype, device: torch.device) -> tuple[LlamaModel, object]:
+    """The dense model of a parsed GGUF ``file``, dequantized tensor by tensor."""
+    hf_config = file.hf_config()
     cfg = ModelConfig.from_hf_config(hf_config)
-    hf_model = read_gguf_model(path, dtype)
-    state = hf_model.state_dict()
-    del hf_model
-    model = model_from_state_dict(cfg, iter(state.items()), dtype=dtype, device=device)
-    return model, hf_config, path
+    model = model_from_state_dict(cfg, gguf_state(file), dtype=dtype, device=device)
+    return model, hf_config

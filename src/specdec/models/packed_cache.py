@@ -4,6 +4,10 @@ Packing a 1.5B-parameter checkpoint takes tens of seconds on a small CPU; the pa
 are written once as safetensors under ``<cache root>/packed/<key>/`` (atomically: temporary
 file, then rename) and read back with ``safe_open``. The key covers the source files' paths,
 sizes and modification times and the packing format, so a changed checkpoint is repacked.
+
+The folder is bounded (``$SPECDEC_PACKED_CACHE_MAX_SIZE``, 8 GiB by default): a load touches
+its entry, and a write first evicts the least recently used others to make room
+(:mod:`specdec.disk_cache`; ``specdec cache list`` shows the entries).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.disk_cache import LABEL_FILE, evict, touch
 from specdec.kernels.cpu_linear import PANEL
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.packed import pack_linears
@@ -29,13 +34,13 @@ _FORMATS = {None: f"panel{PANEL}-v1", "int8": "int8-g32-v2", "q4": "q4-g32-v1"}
 def packed_cache_file(sources: list[Path], quantization: str | None = None) -> Path:
     """Where the packed (bf16) or quantized (``"int8"``, ``"q4"``) model of these checkpoint
     files lives (it may not exist yet)."""
-    from specdec.paths import cache_root
+    from specdec.paths import packed_dir
 
     h = hashlib.sha256(_FORMATS[quantization].encode())
     for f in sources:
         st = f.stat()
         h.update(json.dumps([str(f.resolve()), st.st_size, st.st_mtime_ns]).encode())
-    return cache_root() / "packed" / h.hexdigest()[:24] / "model.safetensors"
+    return packed_dir() / h.hexdigest()[:24] / "model.safetensors"
 
 
 def load_packed(
@@ -58,22 +63,41 @@ def load_packed(
         model.load_state_dict(state, strict=True, assign=True)
     except (SafetensorError, OSError, RuntimeError):
         return None  # a stale or damaged cache entry: repack from the checkpoint
+    touch(file)  # a use: the least recently used entries are evicted first
     model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
     return model.eval().requires_grad_(False)
 
 
-def save_packed(model: LlamaModel, file: Path) -> None:
-    """Write ``model``'s packed state next to nothing else, atomically; failures are harmless."""
+def save_packed(model: LlamaModel, file: Path, *, max_bytes: int | None, label: str = "") -> bool:
+    """Write ``model``'s packed state to ``file`` atomically, first evicting the least recently
+    used other entries of its cache folder so that all fit in ``max_bytes`` (``None``: no bound;
+    see :func:`specdec.disk_cache.packed_cache_max_bytes`). ``label`` says what the entry holds
+    (``specdec cache list`` shows it). Returns whether it was written: not where the state alone
+    exceeds the bound; failures (a full disk) are harmless, the model is merely not cached."""
     from safetensors.torch import save_file
 
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(f".tmp{os.getpid()}")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    if max_bytes is not None and size > max_bytes:
+        return False  # it would evict every other entry and still not fit
+    tmp = file.with_suffix(f".tmp{os.getpid()}")  # marks the entry as being written
     try:
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        file.parent.mkdir(parents=True, exist_ok=True)
+        evict(file.parent.parent, max_bytes, reserve=size, keep={file.parent.name})
         save_file(state, str(tmp))
         os.replace(tmp, file)
+        if label:
+            _write_atomically(file.with_name(LABEL_FILE), label.encode())
     except OSError:
         tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _write_atomically(file: Path, data: bytes) -> None:
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, file)
 
 
 _NUMPY_VIEWS = {"BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}

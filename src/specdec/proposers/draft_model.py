@@ -17,6 +17,13 @@ With ``draft_vocab`` (token ids, e.g. the most frequent ones of a corpus:
 :func:`specdec.models.sub_vocab.frequent_token_ids`) the draft's LM head computes those tokens'
 logits only (:class:`~specdec.models.sub_vocab.SubVocabHead`): a cheaper draft forward, drafts
 from that subset only, the same output.
+
+The draft's embedding table may differ from the target's by padding rows past the tokenizer's
+length (Qwen2.5 0.5B drafting for 7B: 151,936 rows against 152,064). The target's tokenizer
+reaches the check from the Generator (``set_target_tokenizer``, before ``attach``); the draft's
+own is read from its directory (``from_pretrained``) or given (``from_model(tokenizer=...)``).
+Both must be the same tokenizer, covered by both tables; the draft's logits are then fitted to
+the target's rows (:mod:`specdec.models.padded_vocab`).
 """
 
 from __future__ import annotations
@@ -26,11 +33,13 @@ from pathlib import Path
 import attrs
 import torch
 
+from specdec.codec import load_tokenizer
 from specdec.deprecation import moved_names
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.models.llama import LlamaModel
 from specdec.models.loading import load_model
+from specdec.models.padded_vocab import check_padded_vocab, draft_input_ids, fit_logits
 from specdec.models.quantized import check_quantization
 from specdec.models.sub_vocab import SubVocabHead, check_token_ids
 from specdec.proposers.chain_drafting import ChainProposerConfig, draft_chain
@@ -54,11 +63,17 @@ class DraftModel:
     needs_target_hidden = False
     kv_lookahead = 0  # prefix caching (SharesCachedPrefix): a draft's KV at p sees tokens <= p
 
-    def __init__(self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None) -> None:
+    def __init__(
+        self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None, tokenizer: object = None
+    ) -> None:
         if not isinstance(model, LlamaModel):
             raise TypeError(f"model must be a specdec LlamaModel, got {type(model).__name__}")
         self.model = model
         self.config = config
+        self.tokenizer = tokenizer  # the draft's own (None: unknown), compared with the target's
+        self._target_tokenizer: object | None = None
+        # The target's vocabulary, which draft distributions span (set by attach).
+        self.vocab_size = model.config.vocab_size
         # The LM head drafts come from: the model's own (None) or a draft vocabulary's.
         self.head = None if draft_vocab is None else SubVocabHead(model.lm_head, draft_vocab, model.config.vocab_size)
         self._computed: dict[int, int] = {}  # seq_id -> slots of this sequence in the draft's KV
@@ -66,7 +81,7 @@ class DraftModel:
     @classmethod
     def from_pretrained(
         cls,
-        path: str | Path,
+        path: str | Path | torch.nn.Module,
         *,
         num_speculative_tokens: int = 4,
         dtype: str | torch.dtype = "bfloat16",
@@ -74,21 +89,27 @@ class DraftModel:
         quantization: str | None = None,
         confidence_threshold: float = 0.0,
         draft_vocab: object = None,
+        tokenizer: object = None,
     ) -> DraftModel:
         """Load a draft model. ``quantization="int8"`` or ``"q4"`` stores its linear layers as
         weight-only int8 or 4-bit (CPU): less time per draft token at batch 1, slightly
         different proposals, the same output (the verifier uses the draft's own probabilities).
         ``confidence_threshold`` in [0, 1): end a chain after a token the draft gives less than
         that probability (module docstring); 0 always drafts k tokens. ``draft_vocab``: token
-        ids to draft from (module docstring); ``None``: the whole vocabulary."""
+        ids to draft from (module docstring); ``None``: the whole vocabulary. ``path`` may also
+        be a transformers model in memory (its weights copied, see
+        :mod:`specdec.models.from_transformers`); ``tokenizer``: the draft's tokenizer instead
+        of the one beside its checkpoint (needed only when its embedding rows differ from the
+        target's)."""
         config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )  # validate first
         check_quantization(quantization, device)
         if draft_vocab is not None:  # its type and shape before the load; its range after
             check_token_ids(draft_vocab, None)
-        model, _, _ = load_model(path, dtype=dtype, device=device, quantization=quantization)
-        return cls(model, config, draft_vocab=draft_vocab)
+        model, _, model_dir = load_model(path, dtype=dtype, device=device, quantization=quantization)
+        tokenizer = load_tokenizer(model_dir) if tokenizer is None else tokenizer
+        return cls(model, config, draft_vocab=draft_vocab, tokenizer=tokenizer)
 
     @classmethod
     def from_model(
@@ -98,27 +119,36 @@ class DraftModel:
         num_speculative_tokens: int = 4,
         confidence_threshold: float = 0.0,
         draft_vocab: object = None,
+        tokenizer: object = None,
     ) -> DraftModel:
+        """A draft of a model in memory; ``tokenizer``: its tokenizer, needed only when its
+        embedding rows differ from the target's (module docstring)."""
         config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )
-        return cls(model, config, draft_vocab=draft_vocab)
+        return cls(model, config, draft_vocab=draft_vocab, tokenizer=tokenizer)
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
+    def set_target_tokenizer(self, tokenizer: object | None) -> None:
+        """The target's tokenizer, which ``attach`` compares with the draft's
+        (:class:`~specdec.interfaces.UsesTargetTokenizer`)."""
+        self._target_tokenizer = tokenizer
+
     def attach(self, target: LlamaModel) -> None:
         """Check that this draft can speak for ``target``: one vocabulary (draft ids index the
-        target's embedding, and draft distributions are compared with the target's)."""
-        draft_vocab = self.model.config.vocab_size
+        target's embedding, and draft distributions are compared with the target's), up to
+        padding rows past one shared tokenizer (module docstring)."""
         target_vocab = target.config.vocab_size
-        if draft_vocab != target_vocab:
+        check_padded_vocab(self.model.config.vocab_size, target_vocab, self.tokenizer, self._target_tokenizer)
+        if self.head is not None and int(self.head.token_ids.max()) >= target_vocab:
             raise ValueError(
-                f"proposer: the draft model's vocabulary has {draft_vocab} tokens but the "
-                f"target's has {target_vocab}; a draft model must share the target's tokenizer "
-                "and vocabulary size"
+                f"draft_vocab must hold token ids of the target's vocabulary [0, {target_vocab}), "
+                f"got up to {int(self.head.token_ids.max())}"
             )
+        self.vocab_size = target_vocab
 
     def graph_model(self) -> tuple[LlamaModel, SubVocabHead | None]:
         """Graph capture (:class:`~specdec.interfaces.CapturesGraphs`): the draft's own passes,
@@ -134,7 +164,7 @@ class DraftModel:
         starts = [self._computed.get(s, 0) for s in ctx.seq_ids]
         # Step 0 runs every token the draft has not seen yet; each later step one row per
         # sequence, its previous draft (fed from the device: nothing is read back).
-        firsts = [list(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
+        firsts = [self._input_ids(tokens[start:]) for tokens, start in zip(ctx.token_ids, starts)]
         after_first = [s + len(r) for s, r in zip(starts, firsts)]  # slot of step 1's row
 
         def next_logits(step: int, previous: torch.Tensor | None):
@@ -143,7 +173,7 @@ class DraftModel:
             else:  # a -1 only ends its chain: any valid id may stand in
                 slots = [s + step - 1 for s in after_first]
                 layout = ctx.kv.layout(ctx.seq_ids, [[0]] * len(slots), slots, device=device)
-                layout = attrs.evolve(layout, token_ids=previous.clamp_min(0))
+                layout = attrs.evolve(layout, token_ids=previous.clamp(0, self.model.config.vocab_size - 1))
             return self._logits(layout, ctx, greedy=greedy)  # [batch, columns]
 
         chain = draft_chain(
@@ -172,15 +202,24 @@ class DraftModel:
         ascend)."""
         graphs = ctx.graphs
         if graphs is not None and graphs.applies(layout):
-            logits = graphs.run(layout)  # [num_tokens, vocab]
-            return (logits if layout.q_lens[0] == 1 else logits[layout.last_row_indices]), None
+            logits = graphs.run(layout)  # [num_tokens, draft rows]
+            logits = logits if layout.q_lens[0] == 1 else logits[layout.last_row_indices]
+            return fit_logits(logits, self.vocab_size), None
         plan = ctx.backend.plan(layout, self.model.config.attention_spec)
         sub = greedy and self.head is not None
         out = self.model(
             layout, ctx.kv, ctx.backend, plan, logits_indices=layout.last_row_indices,
             head=self.head.sub_logits if sub else self.head,
         )  # fmt: skip
-        return out.logits, (self.head.token_ids if sub else None)
+        if sub:  # columns are token ids, all in the target's vocabulary (attach)
+            return out.logits, self.head.token_ids
+        return fit_logits(out.logits, self.vocab_size), None  # [batch, target vocab]
+
+    def _input_ids(self, token_ids) -> list[int]:
+        """The target's tokens as this draft embeds them (ids past a shorter table: its last
+        row, see :func:`~specdec.models.padded_vocab.draft_input_ids`)."""
+        rows = self.model.config.vocab_size
+        return list(token_ids) if rows >= self.vocab_size else draft_input_ids(list(token_ids), rows)
 
     def on_target_step(self, step: TargetStep) -> None:
         # The draft's KV is valid up to the first slot that differs from the committed history:

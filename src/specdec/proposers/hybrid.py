@@ -171,9 +171,10 @@ class SuffixHybrid:
         return getattr(self.model, "target_hidden_layers", None)
 
     def __getattr__(self, name: str):
-        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) is the model's:
-        # present exactly when the model has it. (No CapturesGraphs: the model drafts eagerly.)
-        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix"):
+        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) and
+        # UsesTargetTokenizer (set_target_tokenizer) are the model's: present exactly when the
+        # model has them. (No CapturesGraphs: the model drafts eagerly.)
+        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix", "set_target_tokenizer"):
             return getattr(self.__dict__["model"], name)
         raise AttributeError(name)
 

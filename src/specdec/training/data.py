@@ -110,11 +110,16 @@ def _distilled_sequences(model: object, tokenizer: object, data: TrainData) -> l
     prompts = [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in data.distill_prompts]
     prompts = prompts or [[tokenizer.bos_token_id or 0]]
     longest = max(len(p) for p in prompts)
+    context = model.config.max_position_embeddings
+    if longest + data.distill_tokens > context:
+        raise ValueError(
+            f"distill_tokens ({data.distill_tokens}) + the longest distillation prompt ({longest} tokens) "
+            f"exceed the target's context ({context} tokens); lower distill_tokens to at most {context - longest}"
+        )
     batch = data.distill_batch_size or default_distill_batch(model)
     gen = Generator.from_components(
-        model, tokenizer,
-        cache_config=CacheConfig(max_batch_size=batch, max_num_tokens=longest + data.distill_tokens + 1),
-    )  # fmt: skip
+        model, tokenizer, cache_config=CacheConfig(max_batch_size=batch, max_model_len=longest + data.distill_tokens)
+    )
     prompts = [prompts[i % len(prompts)] for i in range(data.self_distill_samples)]
     params = [SamplingParams(max_new_tokens=data.distill_tokens, temperature=data.distill_temperature, seed=i,
                              ignore_eos=not data.distill_stop_at_eos) for i in range(data.self_distill_samples)]  # fmt: skip

@@ -1,0 +1,260 @@
+"""A GGUF file read once per load: its metadata, its tensor table and the config they make.
+
+Reading a GGUF through transformers parses the file again for each thing asked of it (the
+config, then the model, which asks for the config again), with gguf-py's ``GGUFReader``, which
+builds numpy views of every string of the vocabulary and merge table: 7-9 s per parse for a
+Qwen2 GGUF (151k tokens and as many merges), whatever the size of its weights. A load of a 40 MB
+file took 23-36 s that way. :meth:`GgufFile.read` parses the header once, with the file memory
+mapped, walking past those string arrays without building anything (their value here is their
+length), in well under a second; the loader then takes the config, the tensor table and every
+tensor's bytes from that one object (:func:`specdec.models.loading.load_model`).
+
+The config follows transformers' GGUF reader for the architectures specdec runs (its key names,
+its defaults, and ``tie_word_embeddings`` where the file has no ``output.weight``), so a model
+loads as it did through transformers; tests hold the two together.
+
+Example::
+
+    file = GgufFile.read(Path("model.gguf"))
+    cfg = ModelConfig.from_hf_config(file.hf_config())
+    embedding = file.tensor("token_embd.weight").values()   # [vocab, hidden] float32
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+__all__ = ["GgufFile", "GgufTensor", "hf_row_order"]
+
+_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_SCALARS = {  # GGUF value type -> struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+
+# transformers' GGUF_CONFIG_MAPPING for llama, mistral and qwen2: "<architecture>.<key>" -> config key.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
+
+
+@attrs.frozen(eq=False)
+class GgufTensor:
+    """One tensor of a GGUF file: its bytes as stored, a read-only view of the mapped file."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: the contiguous dimension (columns) first
+    data: np.ndarray  # [bytes] uint8
+
+    def values(self) -> torch.Tensor:  # [*reversed(shape)] float32
+        """The tensor dequantized to float32, in PyTorch's dimension order."""
+        from gguf.quants import dequantize
+
+        rows = int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+        values = dequantize(self.data.reshape(rows, -1), self.tensor_type)
+        return torch.from_numpy(np.array(values, dtype=np.float32)).view(*reversed(self.shape))
+
+
+class GgufFile:
+    """A GGUF file's metadata and tensors, parsed once (:meth:`read`); tensors are views of the
+    memory-mapped file, read from disk only where used."""
+
+    def __init__(
+        self, path: Path, metadata: Mapping[str, object], tensors: Mapping[str, GgufTensor]
+    ) -> None:
+        self.path, self.metadata, self.tensors = path, dict(metadata), dict(tensors)
+
+    @classmethod
+    def read(cls, path: Path) -> GgufFile:
+        """Parse the header of the GGUF file ``path``; raises ValueError naming it where it is
+        not a little-endian GGUF v2/v3 file or is cut short."""
+        with open(path, "rb") as f:
+            if f.seek(0, 2) == 0:
+                raise ValueError(f"{path.name} is empty, not a GGUF file")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        reader = _Reader(buf, path)
+        try:
+            metadata, tensor_table = reader.header()
+        except struct.error as err:
+            raise ValueError(f"{path.name} is cut short inside its header") from err
+        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        start = -(-reader.pos // alignment) * alignment  # the data section follows, aligned
+        tensors = {entry[0]: _tensor(buf, path, start, *entry) for entry in tensor_table}
+        return cls(path, metadata, tensors)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    @property
+    def model_type(self) -> str:
+        """transformers' ``model_type``; a ``"llama"`` file named exactly ``"mistral"`` is a Mistral
+        model, the one case transformers' GGUF reader tells apart (it tests the name's list)."""
+        if self.architecture == "llama" and self.metadata.get("general.name") == "mistral":
+            return "mistral"
+        return self.architecture
+
+    @property
+    def permutes_qk(self) -> bool:
+        """Whether llama.cpp stored the q/k rows permuted for its RoPE (its "llama" models,
+        Mistral's included), which a load must undo (:func:`hf_row_order`)."""
+        return self.architecture == "llama"
+
+    def config_dict(self) -> dict[str, object]:
+        """The transformers config of the file as keyword arguments (``model_type`` included);
+        raises ValueError naming the file for an architecture specdec does not run."""
+        if self.architecture not in _ARCHITECTURES:
+            raise ValueError(
+                f"{self.path.name}: GGUF architecture {self.architecture!r} is not supported; "
+                f"specdec loads {', '.join(_ARCHITECTURES)} (and Mistral, written as llama) files"
+            )
+        keys = dict(
+            _CONFIG_KEYS, **({"rope.dimension_count": "head_dim"} if self.permutes_qk else {})
+        )
+        config: dict[str, object] = {"model_type": self.model_type}
+        for key, name in keys.items():
+            if f"{self.architecture}.{key}" in self.metadata:
+                config[name] = self.metadata[f"{self.architecture}.{key}"]
+        config.update(
+            {name: self.metadata[key] for key, name in _TOKEN_KEYS.items() if key in self.metadata}
+        )
+        config["tie_word_embeddings"] = "output.weight" not in self.tensors
+        if "vocab_size" not in config and "tokenizer.ggml.tokens" in self.metadata:
+            config["vocab_size"] = self.metadata["tokenizer.ggml.tokens"]  # its length, see _Reader
+        return config
+
+    def hf_config(self) -> object:
+        """The transformers ``PretrainedConfig`` of :meth:`config_dict`."""
+        from transformers import AutoConfig
+
+        config = self.config_dict()
+        return AutoConfig.for_model(config.pop("model_type"), **config)
+
+    def tensor(self, name: str) -> GgufTensor:
+        """The tensor ``name``; a missing one raises ValueError naming the file."""
+        if name not in self.tensors:
+            raise ValueError(f"{self.path.name} has no tensor {name!r}, which its config requires")
+        return self.tensors[name]
+
+
+def hf_row_order(rows: int, heads: int) -> torch.Tensor:  # [rows] int64
+    """The file row of each Hugging Face (and specdec) row of a Llama q/k tensor. llama.cpp's
+    converter stores each head's rows as interleaved pairs for its RoPE
+    (``reshape(heads, 2, r / 2).swapaxes(1, 2)``); this is the inverse, as transformers' GGUF
+    reader applies it.
+
+    >>> hf_row_order(4, 1).tolist()
+    [0, 2, 1, 3]
+    """
+    order = torch.arange(rows).view(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(order)
+
+
+def _tensor(
+    buf: mmap.mmap,
+    path: Path,
+    start: int,
+    name: str,
+    shape: tuple[int, ...],
+    type_id: int,
+    offset: int,
+) -> GgufTensor:
+    """One tensor of the table: its bytes viewed in the mapped file, checked to lie inside it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        tensor_type = GGMLQuantizationType(type_id)
+        block, block_bytes = GGML_QUANT_SIZES[tensor_type]
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"{path.name}: tensor {name} has unknown GGML type {type_id}") from err
+    nbytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+    if start + offset + nbytes > len(buf):
+        raise ValueError(f"{path.name} is cut short: tensor {name} ends past the end of the file")
+    return GgufTensor(
+        name, tensor_type, shape, np.frombuffer(buf, np.uint8, nbytes, start + offset)
+    )
+
+
+class _Reader:
+    """Reads a GGUF header front to back from a buffer; ``pos`` is where the next read starts."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def header(self) -> tuple[dict[str, object], list[tuple[str, tuple[int, ...], int, int]]]:
+        """``(metadata, [(name, shape, GGML type, offset in the data section)])``."""
+        if self.buf[:4] != b"GGUF":
+            raise ValueError(f"{self.path.name} is not a GGUF file (it does not start with 'GGUF')")
+        self.pos = 4
+        version = self._scalar("<I")
+        if version not in _VERSIONS:
+            raise ValueError(
+                f"{self.path.name} is GGUF version {version} (or big-endian); specdec reads "
+                f"little-endian versions {_VERSIONS}"
+            )
+        tensor_count, kv_count = self._scalar("<Q"), self._scalar("<Q")
+        metadata = {}
+        for _ in range(kv_count):
+            key = self._string()
+            metadata[key] = self._value(self._scalar("<I"))
+        table = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = tuple(self._scalar("<Q") for _ in range(self._scalar("<I")))
+            table.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
+        return metadata, table
+
+    def _scalar(self, fmt: str) -> int | float | bool:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        length = self._scalar("<Q")
+        text = self.buf[self.pos : self.pos + length].decode("utf-8", errors="replace")
+        self.pos += length
+        return text
+
+    def _value(self, value_type: int) -> object:
+        """One metadata value. An array of strings (a vocabulary, a merge table) is walked, not
+        read: its value is its length; arrays of numbers are lists."""
+        if value_type in _SCALARS:
+            return self._scalar(_SCALARS[value_type])
+        if value_type == _STRING:
+            return self._string()
+        if value_type != _ARRAY:
+            raise ValueError(f"{self.path.name}: unknown GGUF metadata type {value_type}")
+        item_type, count = self._scalar("<I"), self._scalar("<Q")
+        if item_type in _SCALARS:
+            values = struct.unpack_from(f"<{count}{_SCALARS[item_type][1]}", self.buf, self.pos)
+            self.pos += count * struct.calcsize(_SCALARS[item_type])
+            return list(values)
+        if item_type == _STRING:
+            for _ in range(count):  # variable lengths: nothing to do but walk them
+                self.pos += 8 + struct.unpack_from("<Q", self.buf, self.pos)[0]
+            return count
+        return [self._value(item_type) for _ in range(count)]
