@@ -98,17 +98,19 @@ def test_survival_is_the_running_product_and_matches_the_geometric_model():
 
 def test_policy_acceptance_decays_toward_recent_steps():
     policy = AdaptivePolicy(AdaptivePolicyConfig(decay=0.5, prior_weight=0.5))
-    assert policy.acceptance(7) == pytest.approx(0.6)  # unseen request: the generator prior
+    assert policy.acceptance(0) == pytest.approx(0.6)  # unseen request: the generator prior
     for _ in range(20):
-        policy.observe_verify(7, 4, 4)
-    high = policy.acceptance(7)
+        policy.choose(context(1))  # a step: evidence ages
+        policy.observe_verify(0, 4, 4)
+    high = policy.acceptance(0)
     assert high > 0.95
     for _ in range(10):
-        policy.observe_verify(7, 4, 0)  # the draft starts failing
-    assert policy.acceptance(7) < 0.25 < high
-    policy.observe_verify(7, 0, 0)  # nothing drafted: nothing learned
-    policy.release(7)
-    assert policy.acceptance(7) == pytest.approx(policy.global_acceptance())
+        policy.choose(context(1))
+        policy.observe_verify(0, 4, 0)  # the draft starts failing
+    assert policy.acceptance(0) < 0.25 < high
+    policy.observe_verify(0, 0, 0)  # nothing drafted: nothing learned
+    policy.release(0)
+    assert policy.acceptance(0) == pytest.approx(policy.global_acceptance())
 
 
 # ----------------------------------------------------------------------------- cost curves
@@ -552,14 +554,15 @@ def test_probe_accounts_for_the_proposer_catching_up():
     policy.observe_propose(1, 1, 0.050, unseen=0)  # a draft model: 50 ms a token
     accepting(policy, 0, accepted=0, n=50)
     # Each step at k = 0 leaves one more token for the draft model to catch up on, which
-    # costs more than 1% of a step: probing never fits the budget.
-    ks = [policy.choose(context(1, unseen=1 + i))[0] for i in range(300)]
-    assert ks == [0] * 300
+    # costs more than 1% of a step: probing never fits the budget (while the 50 rejections
+    # still weigh: evidence ages, see test_unlucky_rejections_do_not_switch_speculation_off).
+    ks = [policy.choose(context(1, unseen=1 + i))[0] for i in range(40)]
+    assert ks == [0] * 40
     # A free proposer (nothing to catch up on) is probed in the same situation.
     policy.observe_propose(1, 1, 0.0, unseen=0)
     policy.draft_cost = CostCurve(0.0, Extrapolation.FLAT)
     policy.draft_cost.observe(1, 0.0)
-    assert 1 in [policy.choose(context(1, unseen=1 + i))[0] for i in range(300)]
+    assert 1 in [policy.choose(context(1, unseen=1 + i))[0] for i in range(40)]
 
 
 def test_no_probes_where_speculation_cannot_pay():
@@ -763,3 +766,79 @@ def test_tree_choices_leave_requests_without_budget_at_zero():
         kind=ProposalKind.TREE,
     )
     assert policy.choose(ctx) == (16, 0)
+
+
+# ----------------------------------------------------------------------------- cold-start luck
+
+
+def run_steps(policy: AdaptivePolicy, accept, steps: int, draft_s: float = 0.05) -> list[int]:
+    """Drive ``policy`` as the engine does for one request (convex target costs, a draft
+    model of ``draft_s`` per token, catching up on the tokens it skipped at a fifth of that
+    each): ``accept(step, k)`` -> drafts accepted. The chosen k per step."""
+    ks, unseen = [], 1
+    for step in range(steps):
+        (k,) = policy.choose(context(1, unseen=unseen))
+        if k:
+            catch_up = draft_s / 5 * (unseen - 1)
+            policy.observe_propose(1, k, draft_s * k + catch_up, unseen=unseen - 1)
+            policy.observe_verify(0, k, accept(step, k))
+            unseen = 1
+        else:
+            unseen += 1
+        policy.observe_target(k + 1, convex(k + 1))
+        ks.append(k)
+    return ks
+
+
+def measured_policy() -> AdaptivePolicy:
+    policy = AdaptivePolicy()
+    for rows in range(1, MAX_K + 2):
+        policy.observe_target(rows, convex(rows))
+    policy.observe_propose(1, 1, 0.05, unseen=0)
+    return policy
+
+
+def test_unlucky_rejections_do_not_switch_speculation_off():
+    """Two rejections at the first draft position on the first two steps (a 2.5% chance at
+    84% acceptance) once held a fresh generator at k = 0 for good: nothing at k = 0 is judged
+    again. Evidence now ages with steps, so it drafts again, and then keeps drafting."""
+    policy = measured_policy()
+    ks = run_steps(policy, lambda step, k: 0 if step < 2 else k, 120)
+    assert ks[0] > 0 and ks[1] > 0 and ks[2] == 0  # it drafted, was rejected twice, stopped
+    back = next(i for i, k in enumerate(ks) if i > 2 and k > 0)
+    assert back < 30 and min(ks[back + 10 :]) == MAX_K
+
+
+def test_negative_control_evidence_that_never_ages_stays_plain(monkeypatch):
+    monkeypatch.setattr("specdec.policy.adaptive._Counts.age", lambda self, decay: None)
+    policy = measured_policy()
+    ks = run_steps(policy, lambda step, k: 0 if step < 2 else k, 120)
+    assert ks[2:] == [0] * 118
+
+
+def first_rejected_at_two(step: int, k: int) -> int:
+    return 1 if step == 0 else k  # the first step: position 2 rejected; then every draft kept
+
+
+def test_one_rejection_at_position_two_does_not_cap_k():
+    """A position judged too low is never drafted, so never judged again: a position's prior is
+    at least the acceptance pooled over all positions, and a cold policy whose first step
+    rejected position 2 reaches long drafts within a few steps."""
+    policy = measured_policy()
+    ks = run_steps(policy, first_rejected_at_two, 12)
+    assert ks[0] >= 2 and max(ks[1:6]) == MAX_K
+
+
+def test_negative_control_the_previous_position_alone_as_prior_caps_k(monkeypatch):
+    def chained(self, n):  # each position's prior the one before it only (2026-12-05 morning)
+        c, g = self.config, self._global
+        out = []
+        for j in range(n):
+            prior = out[-1] if out else c.prior_acceptance
+            out += position_hazards(g.accepted_at[j : j + 1], g.judged_at[j : j + 1], [prior], c.prior_weight)
+        return out
+
+    monkeypatch.setattr(AdaptivePolicy, "global_hazards", chained)
+    policy = measured_policy()
+    ks = run_steps(policy, first_rejected_at_two, 12)
+    assert ks[0] >= 2 and max(ks[1:6]) < MAX_K

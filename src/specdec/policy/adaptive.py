@@ -67,17 +67,32 @@ class _Counts:
     judged_at: list[float] = attrs.field(factory=list)
     accepted_at: list[float] = attrs.field(factory=list)
 
-    def add(self, num_drafted: int, num_accepted: int, decay: float) -> None:
-        self.accepted = decay * self.accepted + num_accepted
-        self.rejections = decay * self.rejections + (1.0 if num_accepted < num_drafted else 0.0)
+    def age(self, decay: float) -> None:
+        """One step passed: every count loses weight, judged this step or not (evidence that
+        is never renewed, as of a request at k = 0, fades back to the prior)."""
+        self.accepted *= decay
+        self.rejections *= decay
+        self.judged_at = [decay * x for x in self.judged_at]
+        self.accepted_at = [decay * x for x in self.accepted_at]
+
+    def add(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted += num_accepted
+        self.rejections += 1.0 if num_accepted < num_drafted else 0.0
         judged = min(num_drafted, num_accepted + 1)
         grow = judged - len(self.judged_at)
         if grow > 0:
             self.judged_at.extend([0.0] * grow)
             self.accepted_at.extend([0.0] * grow)
-        for j in range(len(self.judged_at)):
-            self.judged_at[j] = decay * self.judged_at[j] + (j < judged)
-            self.accepted_at[j] = decay * self.accepted_at[j] + (j < num_accepted)
+        for j in range(judged):
+            self.judged_at[j] += 1.0
+            self.accepted_at[j] += j < num_accepted
+
+    def pooled(self, prior: float, prior_weight: float) -> float:
+        """Acceptance over every judged position together, with ``prior_weight``
+        pseudo-observations at ``prior``."""
+        return (math.fsum(self.accepted_at) + prior_weight * prior) / (
+            math.fsum(self.judged_at) + prior_weight
+        )
 
 
 class AdaptivePolicy:
@@ -98,7 +113,7 @@ class AdaptivePolicy:
 
     Cold start: target passes of a row count whose bucket has not been measured are priced
     optimistically (:meth:`CostCurve.estimate` with ``optimistic=True``), so a fresh policy
-    tries speculating as soon as a plain step has been measured, and each row-count bucket is
+    tries speculating as soon as a plain decode step (not a prefill) has been measured, and each row-count bucket is
     tried at most once before real costs decide. The proposer's cost is unknown until it first
     drafts; at batch size > 1 that first drafting step drafts for one request only.
 
@@ -153,12 +168,17 @@ class AdaptivePolicy:
 
     def global_hazards(self, n: int) -> list[float]:
         """The generator's acceptance at draft positions ``1..n`` given the earlier drafts were
-        accepted; a position's prior is the one before it (the first's ``prior_acceptance``):
-        a position never drafted is assumed as good as the last one measured."""
+        accepted. A position's prior is the better of the one before it and the acceptance
+        pooled over all positions (the first's: the pooled one, itself shrunk toward
+        ``prior_acceptance``): a position seldom drafted is assumed as good as those measured.
+        Optimism there is what keeps the estimate honest: a position judged too low is never
+        drafted, so never judged again (one early rejection at position 2 held a cold policy at
+        k = 1 for a dozen steps where k = 4 was best)."""
         c, g = self.config, self._global
+        pooled = g.pooled(c.prior_acceptance, c.prior_weight)
         out: list[float] = []
         for j in range(n):
-            prior = out[-1] if out else c.prior_acceptance
+            prior = max(out[-1], pooled) if out else pooled
             out.extend(position_hazards(g.accepted_at[j : j + 1], g.judged_at[j : j + 1],
                                         [prior], c.prior_weight))  # fmt: skip
         return out
@@ -214,10 +234,18 @@ class AdaptivePolicy:
             self._trees = True
             return self.trees.choose(ctx, self.target_cost)
         caps = [min(c, ctx.max_k) for c in ctx.caps]
+        # Evidence ages with steps, not with observations alone: a request at k = 0 (and a
+        # generator where none drafts) drifts back toward the prior and drafts again, instead
+        # of staying plain for good after a few unlucky rejections.
+        self._global.age(self.config.global_decay)
         for seq_id in ctx.seq_ids:
-            self._requests.setdefault(seq_id, _Counts())
-        if not self.target_cost.measured:
-            ks = [0] * len(caps)  # no costs yet: a plain step measures one
+            self._requests.setdefault(seq_id, _Counts()).age(self.config.decay)
+        if not self.target_cost.measured_up_to(len(caps)):
+            # No step of this batch's plain size or smaller measured yet (a prefill alone would
+            # price one row at its share of the prompt's pass, a fraction of what it costs, and
+            # plain steps would look several times cheaper than they are): a plain step
+            # measures one.
+            ks = [0] * len(caps)
         else:
             if not self.draft_cost.measured and len(caps) > 1:
                 # The first drafting step prices the proposer (and its catch-up on a whole
@@ -435,9 +463,8 @@ class AdaptivePolicy:
         if self._trees:
             self.trees.observe_verify(seq_id, num_drafted, num_accepted)
             return
-        counts = self._requests.setdefault(seq_id, _Counts())
-        counts.add(num_drafted, num_accepted, self.config.decay)
-        self._global.add(num_drafted, num_accepted, self.config.global_decay)
+        self._requests.setdefault(seq_id, _Counts()).add(num_drafted, num_accepted)
+        self._global.add(num_drafted, num_accepted)
 
     def release(self, seq_id: int) -> None:
         self._requests.pop(seq_id, None)

@@ -101,6 +101,11 @@ class CostCurve:
             top = max(top, y)
             self._ys.append(top)
 
+    def measured_up_to(self, size: float) -> bool:
+        """Whether some measurement is of ``size`` or less (below the smallest, estimates are
+        extrapolated: see :meth:`estimate`)."""
+        return bool(self._xs) and self._xs[0] <= size
+
     def measured_at(self, size: float) -> bool:
         """Whether ``size``'s bucket has a measurement."""
         return size >= 1 and cost_bucket(size) in self._points
