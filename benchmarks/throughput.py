@@ -6,6 +6,9 @@ greedily to exactly ``--max-new-tokens`` tokens each (EOS ignored). Systems:
     plain      Generator without a proposer (the baseline every ratio refers to)
     adaptive   Generator + DraftModel(draft, k = --max-k), default policy (AdaptivePolicy)
     fixed-<k>  Generator + DraftModel(draft, k = --max-k), FixedPolicy(k), for k in --fixed-k
+    hybrid     Generator + SuffixHybrid(DraftModel(draft, k = --max-k), SuffixDecoding(16)),
+               default policy: the controller (who drafts per request and step, and how much);
+               on fresh prompts it should cost nothing against plain (--no-hybrid: left out)
 
 Every system is one generator for the whole run (one target model shared by all of them), so
 the adaptive policy carries what it measured from batch size to batch size and from request to
@@ -43,6 +46,7 @@ from benchmarks.common import RESULTS, humaneval_prompts, machine_info, write_js
 
 PLAIN = "plain"
 ADAPTIVE = "adaptive"
+HYBRID = "hybrid"
 
 
 @attrs.frozen(kw_only=True)
@@ -65,6 +69,7 @@ class ThroughputConfig:
     target: str = "qwen2.5-coder-1.5b-instruct"
     draft: str = "qwen2.5-coder-0.5b-instruct"
     goal_ratio: float = 0.95
+    hybrid: bool = True
     out: str = "throughput"
     out_dir: str = str(RESULTS)
 
@@ -78,7 +83,7 @@ class ThroughputConfig:
 
     def systems(self, batch: int) -> list[str]:
         ks = self.fixed_k_by_batch.get(batch, self.fixed_k)
-        return [PLAIN, ADAPTIVE, *(f"fixed-{k}" for k in ks)]
+        return [PLAIN, ADAPTIVE, *([HYBRID] if self.hybrid else []), *(f"fixed-{k}" for k in ks)]
 
 
 def _log(msg: str) -> None:
@@ -89,7 +94,7 @@ def build_generators(cfg: ThroughputConfig, longest_prompt: int):
     """One generator per system, all on one target model; each has its own KV cache."""
     from specdec import CacheConfig, FixedPolicy, Generator
     from specdec.hub import resolve_model
-    from specdec.proposers import DraftModel
+    from specdec.proposers import DraftModel, SuffixDecoding, SuffixHybrid
 
     target_path, draft_path = resolve_model(cfg.target), resolve_model(cfg.draft)
     cache = CacheConfig(
@@ -102,6 +107,9 @@ def build_generators(cfg: ThroughputConfig, longest_prompt: int):
         return DraftModel.from_model(draft_model, num_speculative_tokens=cfg.max_k)
 
     gens = {PLAIN: plain, ADAPTIVE: plain.with_proposer(draft(), cache_config=cache)}
+    if cfg.hybrid:
+        hybrid = SuffixHybrid(draft(), SuffixDecoding(num_speculative_tokens=16))
+        gens[HYBRID] = plain.with_proposer(hybrid, cache_config=cache)
     by_batch = {k for ks in cfg.fixed_k_by_batch.values() for k in ks}
     for k in sorted(set(cfg.fixed_k) | by_batch):
         gens[f"fixed-{k}"] = plain.with_proposer(draft(), cache_config=cache, policy=FixedPolicy(k))
@@ -283,20 +291,23 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "matches_plain": all(checked) if checked else None,
             }
         )
-    order = {PLAIN: 0, ADAPTIVE: 1}
+    order = {PLAIN: 0, ADAPTIVE: 1, HYBRID: 2}
     out.sort(key=lambda s: (s["batch_size"], order.get(s["system"], 2), s["system"]))
     return out
 
 
 def goal_check(summary: list[dict], ratio: float) -> dict:
-    """The issue's goal: adaptive >= ratio x plain at every batch size, and > plain at batch 1."""
+    """The issues' goals: adaptive (and the hybrid controller) >= ratio x plain at every batch
+    size, and > plain at batch 1."""
     rows = {s["batch_size"]: s for s in summary if s["system"] == ADAPTIVE}
     worst = min((min(s["vs_plain"], s["decode_vs_plain"]) for s in rows.values()), default=None)
+    hybrid = [s["vs_plain"] for s in summary if s["system"] == HYBRID]
     at_1 = rows.get(1)
     return {
         "ratio": ratio,
         "adaptive_min_vs_plain": worst,
         "never_below_ratio": worst is not None and worst >= ratio,
+        "hybrid_min_vs_plain": min(hybrid, default=None),
         "beats_plain_at_batch_1": None if at_1 is None else at_1["vs_plain"] > 1.0,
         "all_outputs_match_plain": all(s["matches_plain"] is not False for s in summary),
     }
@@ -326,7 +337,7 @@ def markdown_table(summary: list[dict]) -> str:
             f"{s['vs_plain']:.2f}×" if s["vs_plain"] else "",
             f"{s['median_decode_tokens_per_s']:.2f}",
             f"{s['decode_vs_plain']:.2f}×" if s["decode_vs_plain"] else "",
-            ", ".join(f"{k}: {n}" for k, n in hist.items()) if s["system"] == ADAPTIVE else "",
+            ", ".join(f"{k}: {n}" for k, n in hist.items()) if s["system"] in (ADAPTIVE, HYBRID) else "",
             "" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}",
             {True: "yes", False: "NO", None: "n/a"}[s["matches_plain"]],
         ]
@@ -372,6 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ThroughputConfig:
     ap.add_argument("--target", default=d.target)
     ap.add_argument("--draft", default=d.draft)
     ap.add_argument("--goal-ratio", type=float, default=d.goal_ratio)
+    ap.add_argument("--no-hybrid", dest="hybrid", action="store_false",
+                    help="leave out the hybrid system (SuffixHybrid over the draft model)")
     ap.add_argument("--out", default=d.out)
     ap.add_argument("--out-dir", default=d.out_dir)
     return ThroughputConfig(**vars(ap.parse_args(argv)))
