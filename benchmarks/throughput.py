@@ -97,8 +97,13 @@ def build_generators(cfg: ThroughputConfig, longest_prompt: int):
     from specdec.proposers import DraftModel, SuffixDecoding, SuffixHybrid
 
     target_path, draft_path = resolve_model(cfg.target), resolve_model(cfg.draft)
+    # No prefix caching: the warm-up's prompts are the timed prompts' first page, and a
+    # generator whose draft model did not run (the policy chose k = 0) keys no pages, so with
+    # caching some systems would skip part of each prefill and others not: unequal work.
     cache = CacheConfig(
-        max_batch_size=max(cfg.batch_sizes), max_model_len=longest_prompt + cfg.max_new_tokens
+        max_batch_size=max(cfg.batch_sizes),
+        max_model_len=longest_prompt + cfg.max_new_tokens,
+        prefix_caching=False,
     )
     plain = Generator.from_pretrained(target_path, dtype=cfg.dtype, cache_config=cache)
     draft_model = DraftModel.from_pretrained(draft_path, dtype=cfg.dtype).model

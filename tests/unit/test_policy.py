@@ -440,7 +440,10 @@ def test_cost_curve_optimistic_prices_unmeasured_buckets_from_below():
     assert curve.estimate(6, optimistic=True) == pytest.approx(convex(5))  # 6 rows: not measured
     curve.observe(20, convex(20))
     assert curve.estimate(24, optimistic=True) == curve.estimate(24)  # same bucket (16-31): measured
-    assert curve.estimate(200, optimistic=True) == curve.estimate(200)  # above: as configured
+    assert curve.estimate(64, optimistic=True) == curve.estimate(64)  # between 20 and 150: the chord
+    assert curve.estimate(200, optimistic=True) == curve.estimate(200)  # 150's bucket: measured
+    assert curve.estimate(300, optimistic=True) == pytest.approx(convex(150))  # above all: flat
+    assert curve.estimate(300) > convex(150)  # (not optimistic: as configured, proportional)
     assert curve.measured_at(5) and not curve.measured_at(9) and not curve.measured_at(0.5)
 
 
@@ -842,3 +845,28 @@ def test_negative_control_the_previous_position_alone_as_prior_caps_k(monkeypatc
     policy = measured_policy()
     ks = run_steps(policy, first_rejected_at_two, 12)
     assert ks[0] >= 2 and max(ks[1:6]) < MAX_K
+
+
+def test_a_large_batch_is_priced_by_the_chord_not_optimistically():
+    """Batch 16, every row at its compute cost above 6 rows (``convex``), a prefill of 512
+    rows and plain 16-row steps measured, drafts accepted 80%: a 64-row verify pass is priced
+    by the chord (about 3x a plain step), so the policy stays plain instead of trying it."""
+    policy = AdaptivePolicy()
+    for rows in (512, *range(1, 8), 16):
+        policy.observe_target(rows, convex(rows))
+    policy.observe_propose(1, 1, 0.05, unseen=0)
+    accepting(policy, 0, accepted=4, drafted=5, n=20)
+    (*ks,) = policy.choose(context(16))
+    assert ks == [0] * 16
+    chord = policy.target_cost.estimate(64, optimistic=True)
+    assert chord == pytest.approx(convex(64), rel=0.5) and chord > 2 * convex(16)
+
+
+def test_negative_control_optimism_at_every_size_tries_the_64_row_pass(monkeypatch):
+    monkeypatch.setattr(policy_module, "EXACT_SIZES", 10**9)  # every size "small": optimistic
+    policy = AdaptivePolicy()
+    for rows in (512, *range(1, 8), 16):
+        policy.observe_target(rows, convex(rows))
+    policy.observe_propose(1, 1, 0.05, unseen=0)
+    accepting(policy, 0, accepted=4, drafted=5, n=20)
+    assert sum(policy.choose(context(16))) > 0

@@ -112,11 +112,18 @@ class CostCurve:
 
     def estimate(self, size: float, *, optimistic: bool = False) -> float:
         """Estimated seconds at ``size``; 0.0 before any observation. ``optimistic``: an
-        unmeasured bucket costs what the nearest measured size below it costs."""
+        unmeasured bucket below :data:`EXACT_SIZES`, or above every measured size, costs what
+        the nearest measured size below it costs. Not between two measured sizes of
+        :data:`EXACT_SIZES` or more: small CPU passes cost about the same and step with the
+        kernel's row blocks, so a chord over-prices them, but larger ones are compute-bound
+        and the chord between measured points (a decode step and a prefill) prices them
+        well, while pricing 64 rows like 16 once made a batch of 16 try a 64-row verify pass
+        (and every request's catch-up on its prompt) at 4x a plain step's cost."""
         xs, ys = self._xs, self._ys
         if not xs or size <= 0:
             return 0.0
-        if optimistic and size > xs[0] and not self.measured_at(size):
+        small_or_beyond = size < EXACT_SIZES or size > xs[-1]
+        if optimistic and size > xs[0] and small_or_beyond and not self.measured_at(size):
             return ys[bisect.bisect_right(xs, size) - 1]
         if size <= xs[0]:
             return ys[0] * size / xs[0]
