@@ -216,3 +216,18 @@ def coin_rule(seed: int):
 
     rng = random.Random(seed)
     return CoinRule()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens after ``prompt`` (``n`` of them, EOS not special; the
+    model's generation_config is left as it is)."""
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ragged_prefill_logits
+from helpers import hf_greedy, ragged_prefill_logits
 
 from specdec import Generator, SamplingParams
 from specdec.models.loading import load_model
@@ -61,20 +61,6 @@ def test_logits_match_transformers_stories_float32(stories_path):
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens, EOS not special (min_new_tokens would mask EOS logits)."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_greedy_generation_matches_transformers_stories(stories_path):
     gen = Generator.from_pretrained(stories_path, dtype="float32")
     hf = _hf(stories_path, torch.float32)
@@ -82,7 +68,7 @@ def test_greedy_generation_matches_transformers_stories(stories_path):
     prompts = [gen.encode(p) for p in PROMPTS_STORIES]
     outs = gen.generate(prompts, params)  # one batch of 8 prompts of different lengths
     for p, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(hf, p, 48)
+        assert out.token_ids == hf_greedy(hf, p, 48)
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
 
 
@@ -94,4 +80,4 @@ def test_greedy_generation_matches_transformers_tiny(tiny_checkpoint, kind):
     prompts = _prompt_ids(gen.target.config.vocab_size, 8, seed=2)
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
     for p, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(hf, p, 48)
+        assert out.token_ids == hf_greedy(hf, p, 48)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from helpers import ragged_prefill_logits, record_drafts
+from helpers import hf_greedy, ragged_prefill_logits, record_drafts
 
 from specdec import CacheConfig, Generator, SamplingParams
 from specdec.models import llama
@@ -98,20 +98,6 @@ def _prompts(n: int, seed: int, lengths: tuple[int, int] = (1, 20)) -> list[list
 def _hf_logits(hf, ids: list[int], dtype=None) -> torch.Tensor:  # [len(ids), vocab]
     with torch.no_grad():
         return hf(torch.tensor([ids]), use_cache=False).logits[0].to(dtype or F64)
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens, EOS not special."""
-    hf.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def _bf16_reference(hf):
@@ -234,7 +220,7 @@ def test_greedy_generation_matches_transformers(checkpoint, speculative):
     prompts = _prompts(6, seed=2)
     outs = gen.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for p, out in zip(prompts, outs):
-        assert out.token_ids == _hf_greedy(hf, p, NEW_TOKENS)
+        assert out.token_ids == hf_greedy(hf, p, NEW_TOKENS)
     if speculative:
         assert drafted and gen.metrics.num_accepted > 0  # verify passes of several rows ran
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]

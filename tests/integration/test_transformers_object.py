@@ -5,24 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_hf_model
-from helpers import word_tokenizer
+from helpers import hf_greedy, word_tokenizer
 
 from specdec import Generator, SamplingParams
 from specdec.proposers import DraftModel
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
-
 
 PROMPTS = [[5, 9, 3, 17], [40, 2, 2, 8, 31, 6, 11], [1]]
 
@@ -32,7 +18,7 @@ def test_a_model_object_decodes_as_transformers_does(kind):
     hf = make_hf_model(kind, 0)  # float64
     gen = Generator.from_pretrained(hf, dtype="float64")
     outs = gen.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [_hf_greedy(hf, p, 24) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in PROMPTS]
 
 
 def test_the_callers_model_is_left_as_it_was():
@@ -57,7 +43,7 @@ def test_a_draft_object_speculates_losslessly():
     proposer = DraftModel.from_pretrained(draft, dtype="float64", num_speculative_tokens=3)
     gen = Generator.from_pretrained(target, dtype="float64", proposer=proposer, policy=3)
     outs = gen.generate(PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [_hf_greedy(target, p, 24) for p in PROMPTS]
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, 24) for p in PROMPTS]
     assert 0 < gen.metrics.num_accepted < gen.metrics.num_drafted  # real rejections
 
 
