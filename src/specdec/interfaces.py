@@ -50,13 +50,38 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class AttentionSpec:
-    """One model's attention shape, fixed for its lifetime."""
+    """One model's attention shape, fixed for its lifetime.
+
+    ``layer_windows`` gives each layer its own window where layers differ (Gemma's sliding and
+    global layers); a backend then plans once per distinct window and returns a
+    :class:`~specdec.attention.layered.LayeredPlan`, from which a model takes each layer's plan
+    (:func:`~specdec.attention.layered.layer_plan`). ``logits_soft_cap`` (Gemma 2) caps every
+    score ``s = sm_scale * q.k`` as ``cap * tanh(s / cap)`` before the mask and the softmax.
+
+    Example:
+        >>> spec = AttentionSpec(num_qo_heads=4, num_kv_heads=1, head_dim=256, sm_scale=256**-0.5,
+        ...                      layer_windows=(512, 512, None), logits_soft_cap=50.0)
+        >>> [s.sliding_window for s in spec.layer_specs()[0]], spec.layer_specs()[1]
+        ([512, None], (0, 0, 1))
+    """
 
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     sm_scale: float
     sliding_window: int | None = None  # attend to at most this many most recent slots
+    # [num_layers] each layer's window (None: global); empty: sliding_window on every layer
+    layer_windows: tuple[int | None, ...] = ()
+    logits_soft_cap: float | None = None
+
+    def layer_specs(self) -> tuple[tuple[AttentionSpec, ...], tuple[int, ...]]:
+        """The distinct per-layer attentions, each a spec of one window (first-seen order), and
+        the index of each layer's among them (empty without ``layer_windows``)."""
+        if not self.layer_windows:
+            return (self,), ()
+        windows = tuple(dict.fromkeys(self.layer_windows))
+        specs = tuple(attrs.evolve(self, sliding_window=w, layer_windows=()) for w in windows)
+        return specs, tuple(windows.index(w) for w in self.layer_windows)
 
 
 @runtime_checkable
@@ -64,7 +89,10 @@ class AttentionBackend(Protocol):
     """Paged attention over a ragged batch.
 
     ``plan`` does the host-side work once per step and model; ``run`` is called once per layer,
-    writes the new rows' K/V into the pages at ``layout.slot_mapping`` and attends. ``run`` must
+    writes the new rows' K/V into the pages at ``layout.slot_mapping`` and attends. For a spec
+    with ``layer_windows``, ``plan`` returns a :class:`~specdec.attention.layered.LayeredPlan`
+    (one plan per window) and the model passes each layer its own
+    (:func:`~specdec.attention.layered.layer_plan`). ``run`` must
     not allocate per-step metadata or synchronise with the host. ``plan`` reads the layout's
     host copies (``layout.host``), never its device tensors.
 

@@ -148,3 +148,60 @@ def test_importing_specdec_and_the_backend_never_imports_gpu_packages():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class _RecordingWrapper:
+    """A stand-in for FlashInfer's paged wrappers: records what it is planned and run with."""
+
+    def __init__(self, workspace, kv_layout, **kwargs) -> None:
+        self.plans: list[dict] = []
+        self.runs = 0
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+    def run(self, q, kv):
+        self.runs += 1
+        return torch.zeros_like(q)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_per_layer_windows_and_soft_cap_reach_the_wrappers(monkeypatch, graph):
+    """A spec with a window per layer (Gemma) plans each window on its own set of wrappers
+    (window_left W - 1 and -1), passes the soft cap and the scale to every plan, and each layer's
+    run goes to its window's wrapper. FlashInfer itself is replaced by a recorder: this checks
+    the arguments as written, not the GPU kernels."""
+    import types
+
+    from specdec.attention import flashinfer_backend
+    from specdec.attention.layered import LayeredPlan, layer_plan
+
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_RecordingWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=_RecordingWrapper,
+    )
+    monkeypatch.setattr(flashinfer_backend, "import_flashinfer", lambda: fake)
+    layout = _layout(random.Random(4), "decode")
+    extra = dict(graph_batch=layout.batch_size, graph_rows=1, max_pages=256) if graph else {}
+    backend = FlashInferBackend("cpu", torch.bfloat16, workspace_bytes=64, **extra)
+    windows = (5, None, 5, 5)
+    spec = attrs.evolve(_spec(), layer_windows=windows, logits_soft_cap=2.0)
+    plan = backend.plan(layout, spec)
+    assert isinstance(plan, LayeredPlan) and plan.layer_group == (0, 1, 0, 0)
+    groups = [layer_plan(plan, i) for i in range(4)]
+    assert [p.inputs.window_left for p in groups] == [4, -1, 4, 4]
+    wrappers = [backend._groups[g][PassKind.DECODE] for g in (0, 1)]
+    assert wrappers[0] is not wrappers[1]
+    for wrapper, window_left in zip(wrappers, (4, -1)):
+        (planned,) = wrapper.plans
+        assert planned["window_left"] == window_left
+        assert planned["logits_soft_cap"] == 2.0 and planned["sm_scale"] == 0.3
+    pages = torch.zeros(256, 4, 2, 8, dtype=torch.bfloat16)
+    q = torch.zeros(layout.num_tokens, 4, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(layout.num_tokens, 2, 8, dtype=torch.bfloat16)
+    for p in groups:
+        backend.run(p, q, kv, kv, pages, pages)
+    assert [w.runs for w in wrappers] == [3, 1]
+    uniform = backend.plan(layout, _spec(window=5))  # a spec of one window: one plan, as before
+    assert uniform.group == 0 and uniform.inputs.window_left == 4
+    assert wrappers[0].plans[-1]["logits_soft_cap"] is None

@@ -12,8 +12,9 @@ float64 SDPA at Qwen2.5-1.5B's shapes on one thread: 4-13x faster for a decode r
 
 The plan is the torch plan (gather indices, visibility mask) plus each query row's sequence and
 index and the per-sequence KV lengths. Where the kernel does not apply (not built, tensors off
-the CPU, float64 models such as the tests' tiny references) :meth:`CpuAttentionBackend.run`
-is the torch reference.
+the CPU, float64 models such as the tests' tiny references, soft-capped scores: Gemma 2)
+:meth:`CpuAttentionBackend.run` is the torch reference. Per-layer windows (Gemma) get one plan
+per window (:mod:`specdec.attention.layered`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class CpuAttentionPlan:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Batch-invariant float32 paged attention on CPUs (GQA, ragged, trees, sliding windows).
+    """Batch-invariant float32 paged attention on CPUs (GQA, ragged, trees, sliding windows,
+    per layer too).
 
     Example:
         >>> backend = CpuAttentionBackend()
@@ -50,12 +52,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         >>> out = backend.run(plan, q, k, v, k_pages, v_pages)  # [num_tokens, Hq, D]
     """
 
-    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> CpuAttentionPlan:
-        """The torch plan plus row/sequence indices (host work, once per model per step)."""
+    def plan_one(self, layout: BatchLayout, spec: AttentionSpec) -> CpuAttentionPlan:
+        """The torch plan plus row/sequence indices (host work, once per model per step and
+        window: :meth:`plan` wraps one per window in a ``LayeredPlan`` where layers differ)."""
         q_lens = torch.tensor(layout.q_lens, dtype=torch.int64)  # [batch]
         device = layout.token_ids.device
         return CpuAttentionPlan(
-            torch_plan=super().plan(layout, spec),
+            torch_plan=super().plan_one(layout, spec),
             row_seq=torch.repeat_interleave(torch.arange(len(q_lens)), q_lens).to(device),
             row_index=torch.cat([torch.arange(n) for n in layout.q_lens]).to(device),
             kv_lens=torch.tensor(layout.kv_lens, dtype=torch.int64, device=device),
@@ -72,9 +75,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_qo_heads, head_dim]
         """Write the new rows' K/V into the pages, then attend through the kernel."""
         kernel = load_kernel()  # cached after the first call
-        if kernel is None or not _kernel_applies(q, k_pages):
-            return super().run(plan.torch_plan, q, k, v, k_pages, v_pages)
         tp = plan.torch_plan
+        # The kernel has no soft cap (Gemma 2's scores): those layers attend through the
+        # reference, in float64 for half-precision models, as batch-invariant as the kernel.
+        if kernel is None or tp.spec.logits_soft_cap is not None or not _kernel_applies(q, k_pages):
+            return super().run(tp, q, k, v, k_pages, v_pages)
         k_slots, v_slots = write_kv(tp, k, v, k_pages, v_pages)  # [num_slots, Hkv, D]
         return kernel.paged_attention(
             q.contiguous(),

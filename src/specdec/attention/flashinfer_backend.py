@@ -14,6 +14,11 @@ one: 0.7.2 leaves ``mask_indptr`` in bits when given ``packed_custom_mask`` (fla
 Facts checked against the flashinfer-python 0.7.2.post1 wheel. FlashInfer itself is imported
 only when a :class:`FlashInferBackend` is built.
 
+Per-layer windows (Gemma's sliding and global layers, ``AttentionSpec.layer_windows``) plan each
+window on its own set of wrappers, and ``AttentionSpec.logits_soft_cap`` (Gemma 2) is passed
+as the wrappers' ``logits_soft_cap``; both are written from FlashInfer's documented API and
+are not yet run on a GPU.
+
 Plan lifetime: a plan lives until the next :meth:`FlashInferBackend.plan` call on the same
 backend (the wrappers keep one plan each in a shared workspace). The engine plans and runs one
 model's pass at a time (target pass, then the proposer's passes, each planned right before its
@@ -28,6 +33,7 @@ import itertools
 import attrs
 import torch
 
+from specdec.attention.layered import LayeredPlan, plan_layers
 from specdec.attention.torch_backend import split_tree_mask, visibility_mask, write_kv
 from specdec.interfaces import AttentionSpec
 from specdec.types import BatchLayout
@@ -139,6 +145,7 @@ class FlashInferPlan:
     spec: AttentionSpec
     slot_mapping: torch.Tensor  # [num_tokens] int64 on the device, where new K/V rows go
     generation: int
+    group: int = 0  # the set of wrappers holding it (one per distinct layer window)
 
 
 class FlashInferBackend:
@@ -186,25 +193,53 @@ class FlashInferBackend:
                     f"{graph_batch}, {graph_rows} and {max_pages}"
                 )
             self._slots = torch.zeros(graph_batch * graph_rows, dtype=torch.int64, device=self.device)
-            self._wrappers = _graph_wrappers(flashinfer, self._workspace, graph_batch, graph_rows,
-                                             max_pages, self.device)  # fmt: skip
-        else:
-            self._wrappers = {
-                PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
-                PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
-                # Its own wrapper on FA2: "auto" fixes the backend at the first plan (FA3 on
-                # Hopper when unmasked), and FA3 takes no custom mask.
-                PassKind.TREE: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", backend="fa2"
-                ),
-            }
+        self._flashinfer, self._max_pages = flashinfer, max_pages
+        # One set of wrappers per distinct layer window (Gemma's sliding and global layers are
+        # planned at once, and a wrapper holds one plan); the first set is made here, the
+        # others on the first plan that needs them.
+        self._groups: list[dict[PassKind, object]] = [self._new_wrappers()]
         self._generation = 0
 
-    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> FlashInferPlan:
-        """Plan ``layout``'s pass on the wrapper its kind takes (host work; stales older plans)."""
+    def _new_wrappers(self) -> dict[PassKind, object]:
+        """One set of wrappers; each has its own int workspace (its plan), all share the float
+        workspace (used only while a pass runs, and passes run one at a time)."""
+        flashinfer = self._flashinfer
+        if self.graph_batch is not None:
+            return _graph_wrappers(flashinfer, self._workspace, self.graph_batch, self.graph_rows,
+                                   self._max_pages, self.device)  # fmt: skip
+        return {
+            PassKind.DECODE: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD"),
+            PassKind.CAUSAL: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"),
+            # Its own wrapper on FA2: "auto" fixes the backend at the first plan (FA3 on
+            # Hopper when unmasked), and FA3 takes no custom mask.
+            PassKind.TREE: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend="fa2"
+            ),
+        }
+
+    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> FlashInferPlan | LayeredPlan:
+        """Plan ``layout``'s pass on the wrapper its kind takes (host work; stales older plans);
+        for a spec with ``layer_windows``, one plan per window, each on its own set of
+        wrappers, in a :class:`~specdec.attention.layered.LayeredPlan` (untested on a GPU)."""
+        self._generation += 1
+        slots = layout.slot_mapping.to(device=self.device, dtype=torch.int64)
+        if self._slots is not None:  # a graph reads the slots from this fixed buffer
+            slots = self._slots.copy_(slots, non_blocking=True)
+        return plan_layers(spec, lambda one, group: self._plan_group(layout, one, group, slots))
+
+    def _plan_group(
+        self,
+        layout: BatchLayout,
+        spec: AttentionSpec,  # one window
+        group: int,  # which set of wrappers
+        slots: torch.Tensor,  # [num_tokens] int64 on the device
+    ) -> FlashInferPlan:
         inputs = plan_inputs(layout, spec)
+        while len(self._groups) <= group:
+            self._groups.append(self._new_wrappers())
+        wrappers = self._groups[group]
         if self.graph_batch is not None and (
-            inputs.kind not in self._wrappers
+            inputs.kind not in wrappers
             or layout.batch_size != self.graph_batch
             or set(layout.q_lens) != {self.graph_rows}
         ):
@@ -214,8 +249,10 @@ class FlashInferBackend:
                 f"{layout.batch_size} sequences of {sorted(set(layout.q_lens))} rows"
             )
         heads = (spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, layout.page_size)
-        types = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=spec.sm_scale)
-        wrapper = self._wrappers[inputs.kind]
+        # FlashInfer caps s = sm_scale * q.k as cap * tanh(s / cap), transformers' Gemma 2 order.
+        types = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=spec.sm_scale,
+                     logits_soft_cap=spec.logits_soft_cap)  # fmt: skip
+        wrapper = wrappers[inputs.kind]
         if inputs.kind is PassKind.DECODE:
             wrapper.plan(
                 inputs.kv_page_indptr, inputs.kv_page_indices, inputs.kv_last_page_len, *heads,
@@ -229,11 +266,9 @@ class FlashInferBackend:
                 custom_mask=None if inputs.custom_mask is None else inputs.custom_mask.to(self.device),
                 window_left=inputs.window_left, **types,
             )  # fmt: skip
-        self._generation += 1
-        slots = layout.slot_mapping.to(device=self.device, dtype=torch.int64)
-        if self._slots is not None:  # a graph reads the slots from this fixed buffer
-            slots = self._slots.copy_(slots, non_blocking=True)
-        return FlashInferPlan(inputs=inputs, spec=spec, slot_mapping=slots, generation=self._generation)
+        return FlashInferPlan(
+            inputs=inputs, spec=spec, slot_mapping=slots, generation=self._generation, group=group
+        )
 
     def run(
         self,
@@ -251,7 +286,7 @@ class FlashInferBackend:
                 "and run one pass at a time (see specdec.attention.flashinfer_backend)"
             )
         write_kv(plan, k, v, k_pages, v_pages)
-        return self._wrappers[plan.inputs.kind].run(q.contiguous(), (k_pages, v_pages))
+        return self._groups[plan.group][plan.inputs.kind].run(q.contiguous(), (k_pages, v_pages))
 
 
 def _graph_wrappers(flashinfer, workspace, batch: int, rows: int, max_pages: int, device) -> dict:

@@ -2,9 +2,10 @@
 
 The ragged batch is padded into ``[batch, max_q]`` query rows and ``[batch, max_kv]`` KV slots
 gathered from the pages; one boolean mask carries causality, tree visibility, sliding windows
-and padding, and ``scaled_dot_product_attention`` does the rest. All index and mask tensors are
-built once per step in :meth:`TorchAttentionBackend.plan`; :meth:`run` only indexes and
-attends.
+and padding, and ``scaled_dot_product_attention`` does the rest (:func:`soft_capped_attention`
+where the spec caps the scores, which SDPA cannot). All index and mask tensors are built once per
+step in :meth:`TorchAttentionBackend.plan` (per window where layers differ, see
+:mod:`specdec.attention.layered`); :meth:`run` only indexes and attends.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from specdec.attention.layered import LayeredPlan, plan_layers
 from specdec.interfaces import AttentionSpec
 from specdec.types import BatchLayout
 
-__all__ = ["TorchAttentionBackend", "TorchAttentionPlan", "split_tree_mask", "visibility_mask"]
+__all__ = [
+    "TorchAttentionBackend",
+    "TorchAttentionPlan",
+    "soft_capped_attention",
+    "split_tree_mask",
+    "visibility_mask",
+]
 
 
 @attrs.frozen(eq=False)
@@ -57,10 +65,17 @@ def visibility_mask(
 
 
 class TorchAttentionBackend:
-    """Reference paged attention on any device PyTorch runs on (GQA, ragged, trees)."""
+    """Reference paged attention on any device PyTorch runs on (GQA, ragged, trees, per-layer
+    windows, soft-capped scores)."""
 
-    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> TorchAttentionPlan:
-        """Build indices and masks for one step (host work, once per model per step)."""
+    def plan(self, layout: BatchLayout, spec: AttentionSpec) -> TorchAttentionPlan | LayeredPlan:
+        """Build indices and masks for one step (host work, once per model per step); a
+        :class:`~specdec.attention.layered.LayeredPlan` of one plan per window for a spec with
+        ``layer_windows``."""
+        return plan_layers(spec, lambda one, _: self.plan_one(layout, one))
+
+    def plan_one(self, layout: BatchLayout, spec: AttentionSpec) -> TorchAttentionPlan:
+        """:meth:`plan` for a spec of one attention (its ``sliding_window`` on every layer)."""
         q_lens, kv_lens, page_size = layout.q_lens, layout.kv_lens, layout.page_size
         batch, max_q, max_kv = len(q_lens), max(q_lens), max(kv_lens)
         device = layout.token_ids.device
@@ -135,16 +150,38 @@ class TorchAttentionBackend:
         # the result rounds to the same bf16 values whatever the row count (measured: the
         # prompt-lookup mismatch at token 67 of HumanEval/0 disappears).
         compute = torch.float64 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2).to(compute),  # [batch, Hq, max_q, D]
-            keys.to(compute),
-            values.to(compute),
-            attn_mask=plan.mask,
-            scale=spec.sm_scale,
-            enable_gqa=spec.num_qo_heads != spec.num_kv_heads,
-        )
+        args = (queries.transpose(1, 2).to(compute), keys.to(compute), values.to(compute))  # [batch, H, rows, D]
+        gqa = spec.num_qo_heads != spec.num_kv_heads
+        if spec.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(*args, attn_mask=plan.mask, scale=spec.sm_scale, enable_gqa=gqa)
+        else:
+            out = soft_capped_attention(*args, attn_mask=plan.mask, scale=spec.sm_scale,
+                                        soft_cap=spec.logits_soft_cap, enable_gqa=gqa)  # fmt: skip
         out = out.to(q.dtype).transpose(1, 2).reshape(batch * max_q, spec.num_qo_heads, spec.head_dim)
         return out if plan.q_scatter is None else out[plan.q_scatter]
+
+
+def soft_capped_attention(
+    q: torch.Tensor,  # [batch, Hq, max_q, D]
+    k: torch.Tensor,  # [batch, Hkv, max_kv, D]
+    v: torch.Tensor,  # [batch, Hkv, max_kv, D]
+    *,
+    attn_mask: torch.Tensor | None,  # [batch, 1, max_q, max_kv] bool (True = visible)
+    scale: float,
+    soft_cap: float,
+    enable_gqa: bool,
+) -> torch.Tensor:  # [batch, Hq, max_q, D]
+    """Attention whose scores are capped before the mask, as transformers' eager Gemma 2
+    attention computes them: ``s = scale * q.k``, ``s = soft_cap * tanh(s / soft_cap)``, then
+    the masked softmax (SDPA has no soft cap)."""
+    if enable_gqa:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [batch, Hq, max_q, max_kv]
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def write_kv(

@@ -38,7 +38,13 @@ _SPLITS = (
 
 
 def check_shardable(cfg: ModelConfig, world_size: int) -> None:
-    """ValueError naming ``tensor_parallel_size`` unless the heads and the MLP width divide."""
+    """ValueError naming ``tensor_parallel_size`` unless the heads and the MLP width divide
+    (and for Gemma models, whose vocab-parallel logits would miss the soft cap: not sharded)."""
+    if cfg.gemma is not None and world_size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for "
+            f"{cfg.architecture.value} (Gemma) models; use tensor_parallel_size=1"
+        )
     counts = {
         "attention heads": cfg.num_heads,
         "KV heads": cfg.num_kv_heads,

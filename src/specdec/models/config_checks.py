@@ -7,14 +7,15 @@ transformers' greedy output on 20 of 72 tokens), so every such field is read her
 weight is, and a value the decoder cannot honour raises a ValueError naming the field, its
 value and what is supported.
 
-The fields, as transformers 5's ``models/{llama,qwen2,qwen3,mistral}`` use them:
+The fields, as transformers 5's ``models/{llama,qwen2,qwen3,mistral}`` use them (Gemma 2 and
+Gemma 3 read some differently, and have fields of their own: :mod:`specdec.models.gemma`):
 
 - ``hidden_act``: ``ACT2FN[hidden_act]`` in every MLP. Any parameter-free activation is honoured
   (SiLU also by the CPU kernels' fused ops, the others by plain torch ops); ``prelu`` and
   ``xielu`` have weights of their own, which specdec does not load.
 - ``sliding_window``, ``use_sliding_window``, ``max_window_layers``, ``layer_types``: which
-  layers attend through a window. specdec plans one attention for every layer, so the window
-  must be the same on all of them (:func:`uniform_window`).
+  layers attend through a window. These families must have the same window on all of them
+  (:func:`uniform_window`); Gemma's layers each have their own.
 - ``attention_bias``, ``mlp_bias``: Llama reads both; Qwen3 reads ``attention_bias`` (q/k/v and
   o_proj; its MLP has no biases). Qwen2's q/k/v always have biases and its other linears none;
   Mistral's have none, whatever these say (:func:`linear_biases`).
@@ -36,8 +37,11 @@ __all__ = [
     "check_activation",
     "check_quantization_config",
     "check_rope_type",
+    "check_layer_types",
     "check_rotary_dims",
+    "default_inv_freq",
     "linear_biases",
+    "rope_parameters",
     "uniform_window",
     "unsupported",
 ]
@@ -57,10 +61,11 @@ def unsupported(field: str, value: object, supported: str) -> ValueError:
     )
 
 
-def check_activation(hf_config: object) -> str:
-    """``hidden_act`` (default ``"silu"``) when it is a parameter-free activation of
-    transformers' ``ACT2FN``; ValueError naming the field otherwise."""
-    name = getattr(hf_config, "hidden_act", None) or "silu"
+def check_activation(hf_config: object, field: str = "hidden_act") -> str:
+    """``hidden_act`` (default ``"silu"``; ``field``: the config field the family's MLP reads,
+    Gemma's ``hidden_activation``) when it is a parameter-free activation of transformers'
+    ``ACT2FN``; ValueError naming the field otherwise."""
+    name = getattr(hf_config, field, None) or "silu"
     if name in SILU_NAMES:
         return name
     from transformers.activations import ACT2FN
@@ -69,23 +74,23 @@ def check_activation(hf_config: object) -> str:
         sorted(k for k in ACT2FN if k not in ("prelu", "xielu"))
     )
     if not isinstance(name, str) or name not in ACT2FN:
-        raise unsupported("hidden_act", name, supported)
+        raise unsupported(field, name, supported)
     act = ACT2FN[name]
     if isinstance(act, torch.nn.Module) and any(True for _ in act.parameters()):
-        raise unsupported("hidden_act", name, f"{supported}; {name!r} has weights of its own")
+        raise unsupported(field, name, f"{supported}; {name!r} has weights of its own")
     return name
 
 
 def linear_biases(hf_config: object, arch: str) -> tuple[bool, bool, bool]:
     """``(qkv_bias, o_bias, mlp_bias)`` of architecture ``arch`` (an ``Architecture`` value)
-    as transformers builds its linears: Llama reads ``attention_bias`` and ``mlp_bias``, Qwen3
-    ``attention_bias`` only (default False)."""
+    as transformers builds its linears: Llama reads ``attention_bias`` and ``mlp_bias``, Qwen3,
+    Gemma 2 and Gemma 3 ``attention_bias`` only (default False)."""
     if arch == "qwen2":
         return True, False, False
     if arch == "mistral":
         return False, False, False
     attention = bool(getattr(hf_config, "attention_bias", False))
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2", "gemma3_text"):
         return attention, attention, False
     return attention, attention, bool(getattr(hf_config, "mlp_bias", False))
 
@@ -117,7 +122,7 @@ def _qwen2_window(hf_config: object, n: int, arch: str) -> int | None:
     types = list(
         declared or (_SLIDING if window is not None and i >= first else _FULL for i in range(n))
     )
-    _check_layer_types(types, n)
+    check_layer_types(types, n)
     windows = {window if t == _SLIDING else None for t in types}
     if len(windows) > 1:
         raise unsupported(
@@ -142,7 +147,7 @@ def _class_window(hf_config: object, arch: str, n: int) -> int | None:
     if declared is None:
         return applied
     types = list(declared)
-    _check_layer_types(types, n)
+    check_layer_types(types, n)
     if any((window if t == _SLIDING else None) != applied for t in types):
         where = (
             f"sliding_window={applied!r} on every layer"
@@ -153,12 +158,13 @@ def _class_window(hf_config: object, arch: str, n: int) -> int | None:
             "layer_types",
             _summary(types),
             f"layer_types that agree with what transformers' {arch} class applies, {where}; "
-            "per-layer windows (Ministral's, Gemma's) are not implemented",
+            "per-layer windows are implemented for Gemma 2 and Gemma 3 only",
         )
     return applied
 
 
-def _check_layer_types(types: list[object], n: int) -> None:
+def check_layer_types(types: list[object], n: int) -> None:
+    """ValueError naming ``layer_types`` unless it has ``n`` entries of the two kinds."""
     if len(types) != n or any(t not in (_FULL, _SLIDING) for t in types):
         raise unsupported(
             "layer_types",
@@ -176,6 +182,33 @@ def _summary(types: list[object]) -> str:
         else:
             runs.append([t, 1])
     return "[" + ", ".join(f"{t} x{c}" if c > 1 else str(t) for t, c in runs) + "]"
+
+
+def rope_parameters(
+    hf_config: object, head_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``[head_dim // 2]`` float32 and attention scaling exactly as
+    transformers computes them (every static RoPE scaling type; the others raise, see
+    :func:`check_rope_type`); ``layer_type``: the entry of per-layer-type ``rope_parameters``
+    (Gemma 3's ``"sliding_attention"``/``"full_attention"``)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if layer_type is not None:
+        params = params[layer_type]
+    rope_type = check_rope_type(params)
+    if rope_type == "default":
+        theta = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return default_inv_freq(theta, head_dim), 1.0
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu", **kwargs)
+    check_rotary_dims(inv_freq, head_dim, params)
+    return inv_freq, scaling
+
+
+def default_inv_freq(theta: float, head_dim: int) -> torch.Tensor:  # [head_dim // 2] float32
+    """Plain RoPE's inverse frequencies, transformers' formula (float32 exponents)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
 def check_rope_type(params: dict | None) -> str:

@@ -211,9 +211,11 @@ class EagleHeadConfig:
             inv_freq=self.inv_freq,
             rope_attention_scaling=self.rope_attention_scaling,
             # EAGLE heads are Llama layers whatever the target (public EAGLE-3 heads for Qwen3
-            # have no q/k norms): the target's architecture-specific fields do not carry over.
+            # have no q/k norms): the target's architecture-specific fields do not carry over
+            # (Gemma's: norms, windows per layer, attention scale and soft caps).
             qk_norm=False,
             hidden_act="silu",
+            gemma=None,
         )
 
     def to_json(self) -> dict[str, object]:

@@ -40,31 +40,44 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's blocks (llama.cpp's gemma2 and gemma3): four norms, ffn_norm the one before the MLP.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 # Tensors a Hugging Face model has no place for: Llama 3's RoPE frequency factors (transformers'
 # GGUF reader drops them too; the rotary frequencies come from the config).
 _DROPPED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``; a name of neither
-    table comes back as it is (the model's loader then reports it as unexpected).
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight`` (``architecture``:
+    the file's, which decides Gemma's norm names); a name of neither table comes back as it is
+    (the model's loader then reports it as unexpected).
 
     >>> hf_name("blk.3.ffn_down.weight"), hf_name("output_norm.weight")
     ('model.layers.3.mlp.down_proj.weight', 'model.norm.weight')
+    >>> hf_name("blk.0.ffn_norm.weight", "gemma3")
+    'model.layers.0.pre_feedforward_layernorm.weight'
     """
+    blocks = _GEMMA_BLOCK_NAMES if architecture in ("gemma2", "gemma3") else _BLOCK_NAMES
     module, _, leaf = gguf_name.rpartition(".")
     if module in _TOP_NAMES:
         return f"{_TOP_NAMES[module]}.{leaf}"
     block = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
-    if block is not None and block.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{block.group(1)}.{_BLOCK_NAMES[block.group(2)]}.{leaf}"
+    if block is not None and block.group(2) in blocks:
+        return f"model.layers.{block.group(1)}.{blocks[block.group(2)]}.{leaf}"
     return gguf_name
 
 
 def gguf_state(file: GgufFile) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of ``file`` by Hugging Face name, dequantized to float32, one at a time (as
     :func:`specdec.models.loading.model_from_state_dict` takes them), with Llama's q/k rows
-    (weights and biases) back in Hugging Face order."""
+    (weights and biases) back in Hugging Face order and Gemma's norm weights back to ``w``."""
     config = file.config_dict()
     heads = {
         ".attn_q.": config.get("num_attention_heads"),
@@ -78,7 +91,9 @@ def gguf_state(file: GgufFile) -> Iterator[tuple[str, torch.Tensor]]:
         if file.permutes_qk and part is not None:
             n_heads = heads[part] or config["num_attention_heads"]  # no head_count_kv: MHA
             values = values[hf_row_order(values.shape[0], int(n_heads))]
-        yield hf_name(name), values
+        if file.norm_shift and name.endswith("norm.weight"):
+            values = values - file.norm_shift
+        yield hf_name(name, file.architecture), values
 
 
 def read_gguf_model(path: Path, dtype: torch.dtype) -> object:

@@ -11,7 +11,10 @@ tensor's bytes from that one object (:func:`specdec.models.loading.load_model`).
 
 The config follows transformers' GGUF reader for the architectures specdec runs (its key names,
 its defaults, and ``tie_word_embeddings`` where the file has no ``output.weight``), so a model
-loads as it did through transformers; tests hold the two together.
+loads as it did through transformers; tests hold the two together. For Gemma 2 / Gemma 3 it
+also reads what llama.cpp writes and transformers' reader skips (the soft caps, Gemma 3's
+linear RoPE scaling and layer pattern) and sets the attention scale by llama.cpp's rule
+(:meth:`GgufFile._gemma_config`).
 
 Example::
 
@@ -58,7 +61,21 @@ _TOKEN_KEYS = {
     "tokenizer.ggml.unknown_token_id": "unk_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
-_ARCHITECTURES = ("llama", "qwen2")  # llama.cpp writes Mistral models as "llama"
+_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3")  # llama.cpp writes Mistral as "llama"
+# Gemma's keys beside _CONFIG_KEYS: transformers' GGUF_CONFIG_MAPPING for gemma2 and gemma3, plus
+# the soft caps llama.cpp's converter writes (transformers' reader skips them and falls back on
+# Gemma2Config's defaults, 50 and 30, which are also the released checkpoints' values).
+_GEMMA_KEYS = {
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+_GEMMA_MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # text only: Gemma3ForCausalLM
+# llama.cpp's attention scale for Gemma (llama-model.cpp): 1/sqrt(hidden / heads) for the 27B
+# models (46 layers for Gemma 2, 62 for Gemma 3), 1/sqrt(head_dim) for the others; the file has
+# no key for it, so query_pre_attn_scalar is set by the same rule.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @attrs.frozen(eq=False)
@@ -113,10 +130,17 @@ class GgufFile:
     @property
     def model_type(self) -> str:
         """transformers' ``model_type``; a ``"llama"`` file named exactly ``"mistral"`` is a Mistral
-        model, the one case transformers' GGUF reader tells apart (it tests the name's list)."""
+        model, the one case transformers' GGUF reader tells apart (it tests the name's list); a
+        ``"gemma3"`` file is the text model ``"gemma3_text"``."""
         if self.architecture == "llama" and self.metadata.get("general.name") == "mistral":
             return "mistral"
-        return self.architecture
+        return _GEMMA_MODEL_TYPES.get(self.architecture, self.architecture)
+
+    @property
+    def norm_shift(self) -> float:
+        """What llama.cpp added to every norm weight (Gemma's ``1 + w`` norms are stored as
+        ``1 + w``), which a load must subtract (transformers' reader does too)."""
+        return 1.0 if self.architecture in _GEMMA_MODEL_TYPES else 0.0
 
     @property
     def permutes_qk(self) -> bool:
@@ -135,6 +159,8 @@ class GgufFile:
         keys = dict(
             _CONFIG_KEYS, **({"rope.dimension_count": "head_dim"} if self.permutes_qk else {})
         )
+        if self.architecture in _GEMMA_MODEL_TYPES:
+            keys.update(_GEMMA_KEYS)
         config: dict[str, object] = {"model_type": self.model_type}
         for key, name in keys.items():
             if f"{self.architecture}.{key}" in self.metadata:
@@ -145,7 +171,33 @@ class GgufFile:
         config["tie_word_embeddings"] = "output.weight" not in self.tensors
         if "vocab_size" not in config and "tokenizer.ggml.tokens" in self.metadata:
             config["vocab_size"] = self.metadata["tokenizer.ggml.tokens"]  # its length, see _Reader
+        if self.architecture in _GEMMA_MODEL_TYPES:
+            config.update(self._gemma_config(config))
         return config
+
+    def _gemma_config(self, config: dict[str, object]) -> dict[str, object]:
+        """What a Gemma file implies beyond its keys: the attention scale (llama.cpp's rule),
+        Gemma 3's linear RoPE scaling and its sliding-window pattern where the file has them
+        (transformers' reader skips both: its Gemma 3 then rotates the global layers of the 4B
+        and larger models unscaled). The sliding layers' RoPE base is 10000 in llama.cpp and in
+        Gemma3TextConfig alike."""
+        arch, out = self.architecture, {}
+        heads, layers = config.get("num_attention_heads"), config.get("num_hidden_layers")
+        head_dim = config.get("head_dim")
+        if layers == _GEMMA_27B_LAYERS[arch] and heads:
+            out["query_pre_attn_scalar"] = config["hidden_size"] // heads
+        elif head_dim:
+            out["query_pre_attn_scalar"] = head_dim
+        scaling = self.metadata.get(f"{arch}.rope.scaling.type")
+        factor = self.metadata.get(f"{arch}.rope.scaling.factor")
+        if scaling == "linear" and factor is not None:
+            out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        pattern = self.metadata.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list) and layers and len(pattern) == layers:
+            out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+        elif isinstance(pattern, int) and arch == "gemma3":
+            out["sliding_window_pattern"] = pattern
+        return out
 
     def hf_config(self) -> object:
         """The transformers ``PretrainedConfig`` of :meth:`config_dict`."""

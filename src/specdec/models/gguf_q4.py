@@ -18,7 +18,8 @@ codes by one step); every other type (Q6_K, Q8_0, F16...) is dequantized, rounde
 dtype (the values a dense load would hold) and quantized by
 :func:`specdec.kernels.cpu_q4.quantize_q4`, and the loader warns naming which. For Llama, the q/k
 rows llama.cpp permutes for its RoPE are put back in Hugging Face order, as transformers' GGUF
-reader does. Norms, biases and the input embedding are dequantized.
+reader does. Norms, biases and the input embedding are dequantized (Gemma's norms, which
+llama.cpp stores as ``1 + w``, back to ``w``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from specdec.kernels.cpu_q4 import pack_q4, quantize_q4
+from specdec.models.gguf_dense import hf_name
 from specdec.models.gguf_file import GgufFile, hf_row_order
 from specdec.models.llama import LlamaModel, ModelConfig
 from specdec.models.quantized import quantize_linears
@@ -107,7 +109,7 @@ def load_gguf_q4(file: GgufFile, dtype: torch.dtype) -> tuple[LlamaModel, object
     state, adopted, requantized = _q4_state(cfg, file, expected, dtype)
     _check_state(file.path, state, expected)
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32)
+    model.init_rope()
     if requantized:
         kinds = sorted({re.sub(r"^blk\.\d+\.|\.weight$", "", n) for n in requantized})
         warnings.warn(
@@ -147,12 +149,11 @@ def _q4_state(
     for i in range(cfg.num_layers):
         for module, parts in _PARTS.items():
             linear(f"layers.{i}.{module}", [f"blk.{i}.{part}.weight" for part in parts])
-        state[f"layers.{i}.input_layernorm.weight"] = _vector(file.tensor(f"blk.{i}.attn_norm.weight")).to(dtype)
-        state[f"layers.{i}.post_attention_layernorm.weight"] = _vector(
-            file.tensor(f"blk.{i}.ffn_norm.weight")
-        ).to(dtype)
+    for name, tensor in file.tensors.items():  # every norm: 2 a layer (Gemma: 4, and q/k)
+        if name.endswith("norm.weight"):
+            values = _vector(tensor) - file.norm_shift  # Gemma's are stored as 1 + w
+            state[hf_name(name, file.architecture).removeprefix("model.")] = values.to(dtype)
     linear("lm_head", ["token_embd.weight" if cfg.tie_word_embeddings else "output.weight"])
-    state["norm.weight"] = _vector(file.tensor("output_norm.weight")).to(dtype)
     state["embed_tokens.weight"] = _embedding(file.tensor("token_embd.weight"), dtype)
     return state, adopted, requantized
 

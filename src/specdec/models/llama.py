@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Llama 3, Qwen2, Qwen3, Mistral) over the paged KV cache.
+"""Llama-family decoder (Llama, Llama 3, Qwen2, Qwen3, Mistral; Gemma 2 and Gemma 3 with the
+differences of :mod:`specdec.models.gemma`) over the paged KV cache.
 
 Parameter names follow Hugging Face's except for two fusions that cut the number of matrix
 products per layer on small batches: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate
@@ -16,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.attention.layered import layer_plan
 from specdec.interfaces import AttentionBackend, AttentionSpec
 from specdec.kv.paged import KVSpec, ModelKV
-from specdec.models import config_checks
+from specdec.models import config_checks, gemma
 from specdec.types import BatchLayout, ModelOutput
 
 __all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
@@ -29,6 +31,8 @@ class Architecture(enum.Enum):
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
     MISTRAL = "mistral"
+    GEMMA2 = "gemma2"
+    GEMMA3 = "gemma3_text"  # Gemma3ForCausalLM, text only (Gemma3TextConfig)
 
 
 _ARCHITECTURES = {
@@ -36,6 +40,8 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": Architecture.QWEN2,
     "Qwen3ForCausalLM": Architecture.QWEN3,
     "MistralForCausalLM": Architecture.MISTRAL,
+    "Gemma2ForCausalLM": Architecture.GEMMA2,
+    "Gemma3ForCausalLM": Architecture.GEMMA3,
 }
 
 
@@ -66,7 +72,11 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Qwen3's per-head RMSNorm of queries and keys (``self_attn.q_norm``/``k_norm``, weights of
     # ``head_dim``), applied before RoPE; such models skip the whole-stack kernel (_decoder_stack).
+    # Gemma 3's too (Gemma's RMSNorm).
     qk_norm: bool = False
+    # Gemma 2 / Gemma 3: what their decoder does differently (sandwich norms, per-layer windows,
+    # soft caps, ...: see specdec.models.gemma); None for the other families.
+    gemma: gemma.GemmaTraits | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> ModelConfig:
@@ -87,10 +97,15 @@ class ModelConfig:
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )
-        hidden_act = config_checks.check_activation(hf_config)
-        window = config_checks.uniform_window(hf_config, arch.value)
         qkv_bias, o_bias, mlp_bias = config_checks.linear_biases(hf_config, arch.value)
-        inv_freq, attention_scaling = _rope_parameters(hf_config, head_dim)
+        if arch.value in gemma.FAMILIES:  # windows per layer; RoPE of the global layers
+            traits, window = gemma.read_traits(hf_config, arch.value, head_dim), None
+            hidden_act = config_checks.check_activation(hf_config, "hidden_activation")
+            inv_freq, attention_scaling = gemma.layer_rope(hf_config, head_dim, "full_attention")
+        else:
+            traits, window = None, config_checks.uniform_window(hf_config, arch.value)
+            hidden_act = config_checks.check_activation(hf_config)
+            inv_freq, attention_scaling = config_checks.rope_parameters(hf_config, head_dim)
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
         return cls(
@@ -114,7 +129,8 @@ class ModelConfig:
             rope_attention_scaling=float(attention_scaling),
             eos_token_ids=eos_ids,
             hidden_act=hidden_act,
-            qk_norm=arch is Architecture.QWEN3,
+            qk_norm=arch in (Architecture.QWEN3, Architecture.GEMMA3),
+            gemma=traits,
         )
 
     def kv_spec(self, name: str, dtype: torch.dtype) -> KVSpec:
@@ -128,29 +144,18 @@ class ModelConfig:
 
     @property
     def attention_spec(self) -> AttentionSpec:
+        """What the attention backend plans for (Gemma: a window per layer, its scale and its
+        score cap)."""
+        g = self.gemma
         return AttentionSpec(
             num_qo_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            sm_scale=self.head_dim**-0.5,
+            sm_scale=self.head_dim**-0.5 if g is None else g.sm_scale,
             sliding_window=self.sliding_window,
+            layer_windows=() if g is None else g.layer_windows,
+            logits_soft_cap=None if g is None else g.attn_logit_softcap,
         )
-
-
-def _rope_parameters(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies exactly as transformers computes them (every static RoPE scaling
-    type; the others raise, see :func:`~specdec.models.config_checks.check_rope_type`)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    rope_type = config_checks.check_rope_type(params)
-    if rope_type == "default":
-        theta = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        return inv_freq, 1.0
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    config_checks.check_rotary_dims(inv_freq, head_dim, params)
-    return inv_freq, scaling
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -234,6 +239,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _norm(cfg: ModelConfig, size: int) -> nn.Module:
+    """The family's RMSNorm over ``size`` channels: Gemma's ``1 + weight`` one, or Llama's."""
+    return RMSNorm(size, cfg.rms_norm_eps) if cfg.gemma is None else gemma.GemmaRMSNorm(size, cfg.rms_norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -242,8 +252,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -257,7 +267,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: over each head's channels, before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: over each head's channels, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -286,6 +296,13 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
+
+
+def _decoder_layer(cfg: ModelConfig) -> nn.Module:
+    """One decoder layer of the family: Gemma's sandwich-normed layer, or Llama's."""
+    if cfg.gemma is None:
+        return DecoderLayer(cfg)
+    return gemma.GemmaDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg), MLP(cfg))
 
 
 class DecoderLayer(nn.Module):
@@ -317,14 +334,22 @@ class LlamaModel(nn.Module):
         # share of the heads and of the MLP width (see specdec.distributed.sharding).
         self.layer_config = layer_config or cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(self.layer_config) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(_decoder_layer(self.layer_config) for _ in range(cfg.num_layers))
+        self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", torch.tensor(cfg.inv_freq, dtype=torch.float32), persistent=False
-        )
+        self.register_buffer("inv_freq", torch.zeros(0), persistent=False)
+        self.register_buffer("sliding_inv_freq", torch.zeros(0), persistent=False)  # Gemma 3
+        self.init_rope()
+
+    def init_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE frequency buffers from the config, on ``device`` (default: the
+        CPU): loaders build the model on the meta device, where buffers hold no values."""
+        cfg = self.config
+        self.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
+        sliding = () if cfg.gemma is None else cfg.gemma.sliding_inv_freq or ()
+        self.sliding_inv_freq = torch.tensor(sliding, dtype=torch.float32, device=device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -350,6 +375,22 @@ class LlamaModel(nn.Module):
         in float32."""
         return rope_tables(positions, self.inv_freq, self.config.rope_attention_scaling, dtype or self.dtype)
 
+    def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin (:meth:`rope`): Gemma 3's sliding layers have a RoPE of their
+        own; the tables are computed once per distinct RoPE."""
+        tables = self.rope(positions)
+        g = self.config.gemma
+        if g is None or g.sliding_inv_freq is None:
+            return [tables] * self.config.num_layers
+        sliding = rope_tables(positions, self.sliding_inv_freq, g.sliding_rope_attention_scaling, self.dtype)
+        return [sliding if s else tables for s in g.sliding_layers]
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        """The input embeddings of ``token_ids`` (Gemma: times ``sqrt(hidden_size)``)."""
+        embeds = self.embed_tokens(token_ids)
+        g = self.config.gemma
+        return embeds if g is None else gemma.scale_embeddings(embeds, g.embed_scale)
+
     def hidden_states(self, embeds, positions, kv, backend, plan) -> torch.Tensor:
         """The last layer's output before the final norm, ``[num_tokens, hidden]``: one of
         :meth:`layer_states` (the same arguments, without ``layers``)."""
@@ -374,25 +415,27 @@ class LlamaModel(nn.Module):
         bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= n]
         if not layers or bad:
             raise ValueError(f"layers must be a non-empty tuple of ints in 0..{n}, got {layers!r}")
-        cos, sin = self.rope(positions)
         # The fused ops compute SiLU-and-multiply (silu_mul, and inside the whole-stack
-        # kernel): a model of another activation runs its layers' own modules.
-        silu = self.layer_config.hidden_act in config_checks.SILU_NAMES
-        ops = _fused_ops(embeds) if silu else None
+        # kernel) and Llama's norms: a model of another activation, or Gemma's layers, runs
+        # its layers' own modules.
+        lc = self.layer_config
+        fusable = lc.hidden_act in config_checks.SILU_NAMES and lc.gemma is None
+        ops = _fused_ops(embeds) if fusable else None
+        if ops is None:
+            wanted, h, states = set(layers), embeds, {}
+            for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self.layer_ropes(positions))):
+                if i in wanted:
+                    states[i] = h
+                h = layer(h, cos, sin, kv.layer(i), backend, layer_plan(plan, i))
+            states[n] = h
+            return [states[i] for i in layers]
+        cos, sin = self.rope(positions)
         stack = _decoder_stack(self, ops, kv, backend, plan)
         if stack is not None:  # every layer in one kernel call, bitwise the loops below
             from specdec.models.cpu_decoder import run_stack
 
             return run_stack(ops, self, stack, embeds, cos, sin, kv, plan, layers)
-        if ops is not None:
-            states = self._fused_layer_states(ops, embeds, cos, sin, kv, backend, plan, set(layers))
-        else:
-            wanted, h, states = set(layers), embeds, {}
-            for i, layer in enumerate(self.layers):
-                if i in wanted:
-                    states[i] = h
-                h = layer(h, cos, sin, kv.layer(i), backend, plan)
-            states[n] = h
+        states = self._fused_layer_states(ops, embeds, cos, sin, kv, backend, plan, set(layers))
         return [states[i] for i in layers]
 
     def _fused_layer_states(self, ops, h, cos, sin, kv, backend, plan, wanted) -> dict[int, torch.Tensor]:
@@ -418,18 +461,21 @@ class LlamaModel(nn.Module):
                 qkv = _norm_qk(ops, qkv, attn)
             q, k = ops.rope_qk(qkv, cos, sin, attn.num_heads, attn.num_kv_heads, attn.head_dim)
             v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
-            out = backend.run(plan, q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
+            out = backend.run(layer_plan(plan, i), q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
             h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(n, attn.q_size)), norm2.weight, norm2.eps)
             delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
         states[len(self.layers)] = h if delta is None else h + delta
         return states
 
     def logits(self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept).
-        ``head`` replaces ``lm_head`` (a draft vocabulary, :mod:`specdec.models.sub_vocab`:
-        its module gives full rows, its ``sub_logits`` the vocabulary's columns only)."""
+        """Final norm and LM head: ``[rows, hidden] -> [rows, vocab]`` float32 (float64 kept),
+        Gemma's soft cap applied there. ``head`` replaces ``lm_head`` (a draft vocabulary,
+        :mod:`specdec.models.sub_vocab`: its module gives full rows, its ``sub_logits`` the
+        vocabulary's columns only)."""
         out = (self.lm_head if head is None else head)(self.norm(hidden))
-        return out if out.dtype == torch.float64 else out.float()
+        out = out if out.dtype == torch.float64 else out.float()
+        cap = None if self.config.gemma is None else self.config.gemma.final_logit_softcap
+        return out if cap is None else gemma.soft_cap(out, cap)
 
     @torch.inference_mode()
     def forward(
@@ -462,7 +508,7 @@ class LlamaModel(nn.Module):
         wanted = (last,) if return_hidden else tuple(hidden_layers or ())
         if hidden_layers is not None and not wanted:
             raise ValueError(f"hidden_layers must name at least one layer in 0..{last}, got {hidden_layers!r}")
-        embeds = self.embed_tokens(layout.token_ids)
+        embeds = self.embed(layout.token_ids)
         *captured, h = self.layer_states(embeds, layout.positions, kv, backend, plan, (*wanted, last))
         rows = h if logits_indices is None else h.index_select(0, logits_indices)
         hidden = None

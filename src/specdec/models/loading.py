@@ -18,8 +18,8 @@ import torch
 
 from specdec.disk_cache import packed_cache_max_bytes
 from specdec.kernels.cpu_linear import kernel_available
-from specdec.models.gguf_dense import gguf_state
 from specdec.models.from_transformers import is_transformers_model, source_dir, transformers_tensors
+from specdec.models.gguf_dense import gguf_state
 from specdec.models.gguf_file import GgufFile
 from specdec.models.hugepages import move_to_hugepages
 from specdec.models.llama import LlamaModel, ModelConfig
@@ -208,7 +208,7 @@ def model_from_state_dict(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
+    model.init_rope(device)
     return model.eval().requires_grad_(False)
 
 

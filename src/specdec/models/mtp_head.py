@@ -122,6 +122,11 @@ class MTPModule(HeadModule):
 
     def __init__(self, target: LlamaModel, config: MTPModuleConfig) -> None:
         cfg = target.config
+        if cfg.gemma is not None:  # its layer is the target's kind, and Gemma's is not built here
+            raise ValueError(
+                f"MTP heads are not implemented for {cfg.architecture.value} targets (Gemma); "
+                "use an EAGLE head (EAGLETree), a DraftModel or PromptLookup"
+            )
         super().__init__(target, config, attrs.evolve(cfg, num_layers=1))
         hidden = cfg.hidden_size
         self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)

@@ -64,7 +64,7 @@ def load_packed(
     except (SafetensorError, OSError, RuntimeError):
         return None  # a stale or damaged cache entry: repack from the checkpoint
     touch(file)  # a use: the least recently used entries are evicted first
-    model.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
+    model.init_rope(device)
     return model.eval().requires_grad_(False)
 
 

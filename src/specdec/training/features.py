@@ -146,7 +146,7 @@ def batch_hidden_states(
     layout = model_kv.layout(seq_ids, [list(c) for c in batch], [0] * len(batch), device=target.device)
     plan = backend.plan(layout, target.attention_spec)
     with torch.inference_mode():
-        embeds = target.embed_tokens(layout.token_ids)
+        embeds = target.embed(layout.token_ids)
         states = target.layer_states(embeds, layout.positions, model_kv, backend, plan, layers)
     hidden = states[0] if len(states) == 1 else torch.cat(states, dim=-1)
     return hidden.view(len(batch), length, -1)

@@ -1,0 +1,243 @@
+"""Gemma 2 and Gemma 3 (text): what their decoder does differently from Llama's.
+
+specdec runs ``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` (``Gemma3TextConfig``, model type
+``gemma3_text``) through the decoder of :mod:`specdec.models.llama`, with the differences
+below, each read off transformers' ``modeling_gemma2.py`` and ``modeling_gemma3.py`` (the
+reference; transformers 5):
+
+- the embeddings are multiplied by ``sqrt(hidden_size)`` rounded to the model's dtype
+  (``Gemma*TextScaledWordEmbedding``): :func:`scale_embeddings`;
+- RMSNorm multiplies by ``1 + weight`` in float32 and rounds once (Llama rounds the normed
+  input, then multiplies): :func:`gemma_rms_norm`;
+- sandwich norms: ``post_attention_layernorm`` norms the attention output before the residual
+  add, ``pre_feedforward_layernorm``/``post_feedforward_layernorm`` wrap the MLP:
+  :class:`GemmaDecoderLayer`;
+- the MLP's activation is ``hidden_activation`` (``gelu_pytorch_tanh``), not ``hidden_act``;
+- attention scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``;
+- Gemma 2 caps attention scores, ``cap * tanh(s / cap)`` with ``attn_logit_softcapping``
+  (``AttentionSpec.logits_soft_cap``, computed by the attention backends); transformers' Gemma 3
+  passes no cap to its attention whatever its config says, and norms queries and keys per head
+  with the Gemma RMSNorm (``qk_norm``);
+- both cap the logits with ``final_logit_softcapping`` when set (Gemma 3's default is none):
+  :func:`soft_cap`;
+- sliding-window and global layers interleave (``layer_types``; configs without them:
+  every second layer global for Gemma 2, every ``sliding_window_pattern``-th for Gemma 3), so
+  each layer has its window (``AttentionSpec.layer_windows``);
+- Gemma 3 rotates sliding layers with their own RoPE (``rope_parameters["sliding_attention"]``;
+  transformers 4 configs: ``rope_local_base_freq``) and global layers with
+  ``rope_parameters["full_attention"]`` (``rope_theta`` and ``rope_scaling``, linear on the
+  larger checkpoints);
+- tied embeddings (``tie_word_embeddings``, true by default): as for every family.
+
+Refused, with a ValueError naming the field: ``use_bidirectional_attention`` (not causal),
+soft caps and ``query_pre_attn_scalar`` that are not positive numbers, a ``sliding_window``
+that is not a positive int where layers slide, and what every family refuses
+(:mod:`specdec.models.config_checks`: ``layer_types`` of other kinds, RoPE types recomputed as
+sequences grow, pre-quantized weights, activations with weights).
+
+The CPU kernels' fused paths (the whole-stack kernel, the fused per-layer ops) compute Llama's
+norms and SiLU: Gemma layers run their own modules, whose linears are still the packed bf16,
+int8 or q4 kernels and whose attention is the CPU attention kernel (Gemma 2's capped scores: the
+float64 reference attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+from torch import nn
+
+from specdec.models import config_checks
+from specdec.models.config_checks import unsupported
+
+__all__ = [
+    "FAMILIES",
+    "GemmaDecoderLayer",
+    "GemmaRMSNorm",
+    "GemmaTraits",
+    "gemma_rms_norm",
+    "layer_rope",
+    "read_traits",
+    "scale_embeddings",
+    "soft_cap",
+]
+
+FAMILIES = frozenset({"gemma2", "gemma3_text"})  # the Architecture values of these decoders
+_SLIDING = "sliding_attention"
+
+
+@attrs.frozen(kw_only=True)
+class GemmaTraits:
+    """What a Gemma 2 or Gemma 3 config adds to a :class:`~specdec.models.llama.ModelConfig`."""
+
+    embed_scale: float  # sqrt(hidden_size), applied rounded to the model's dtype
+    query_pre_attn_scalar: float  # the attention scale is its inverse square root
+    attn_logit_softcap: float | None  # Gemma 2; None: scores uncapped (Gemma 3 always)
+    final_logit_softcap: float | None
+    sliding_layers: tuple[bool, ...]  # [num_layers] whether layer_types calls it sliding_attention
+    sliding_window: int | None  # their window (None: they attend to everything, as transformers')
+    # Gemma 3: the sliding layers' RoPE inverse frequencies (scaling applied) and attention
+    # scaling; None: every layer rotates with ModelConfig.inv_freq (Gemma 2).
+    sliding_inv_freq: tuple[float, ...] | None = None
+    sliding_rope_attention_scaling: float = 1.0
+
+    @property
+    def sm_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:  # [num_layers]
+        """Each layer's window: ``sliding_window`` on the sliding layers, None on the others."""
+        return tuple(self.sliding_window if s else None for s in self.sliding_layers)
+
+
+def read_traits(hf_config: object, arch: str, head_dim: int) -> GemmaTraits:
+    """The Gemma fields of a transformers ``Gemma2Config`` (``arch="gemma2"``) or
+    ``Gemma3TextConfig`` (``"gemma3_text"``); ValueError naming a field specdec cannot honour."""
+    if getattr(hf_config, "use_bidirectional_attention", None):
+        raise unsupported("use_bidirectional_attention", True, "False or null (causal attention)")
+    scalar = _positive(hf_config, "query_pre_attn_scalar", required=True)
+    final_cap = _positive(hf_config, "final_logit_softcapping")
+    attn_cap = _positive(hf_config, "attn_logit_softcapping") if arch == "gemma2" else None
+    sliding_inv_freq, sliding_scaling = None, 1.0
+    if arch == "gemma3_text":
+        inv_freq, sliding_scaling = layer_rope(hf_config, head_dim, _SLIDING)
+        sliding_inv_freq = tuple(inv_freq.tolist())
+    return GemmaTraits(
+        embed_scale=math.sqrt(hf_config.hidden_size),
+        query_pre_attn_scalar=scalar,
+        attn_logit_softcap=attn_cap,
+        final_logit_softcap=final_cap,
+        sliding_layers=_sliding_layers(hf_config, arch),
+        sliding_window=_window(hf_config),
+        sliding_inv_freq=sliding_inv_freq,
+        sliding_rope_attention_scaling=float(sliding_scaling),
+    )
+
+
+def _positive(hf_config: object, field: str, *, required: bool = False) -> float | None:
+    value = getattr(hf_config, field, None)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise unsupported(field, value, "a positive number" + ("" if required else ", or null (off)"))
+    return float(value)
+
+
+def _sliding_layers(hf_config: object, arch: str) -> tuple[bool, ...]:
+    """Which layers ``layer_types`` calls ``sliding_attention`` (their window and, for Gemma 3,
+    their RoPE are the sliding ones)."""
+    n = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:  # what transformers derives for configs without them
+        pattern = 2 if arch == "gemma2" else getattr(hf_config, "sliding_window_pattern", None) or 6
+        types = [_SLIDING if (i + 1) % pattern else "full_attention" for i in range(n)]
+    types = list(types)
+    config_checks.check_layer_types(types, n)
+    return tuple(t == _SLIDING for t in types)
+
+
+def _window(hf_config: object) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise unsupported("sliding_window", window, "a positive int, or null (no window)")
+    return window
+
+
+def layer_rope(hf_config: object, head_dim: int, layer_type: str) -> tuple[torch.Tensor, float]:
+    """The RoPE (inverse frequencies ``[head_dim // 2]`` float32, attention scaling) of the
+    layers of ``layer_type`` (``"sliding_attention"``/``"full_attention"``), as transformers
+    computes it: Gemma 3's per-type ``rope_parameters`` (transformers 5), or its older
+    ``rope_local_base_freq`` for sliding layers; otherwise the one RoPE of every layer."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return config_checks.rope_parameters(hf_config, head_dim, layer_type)
+    local_theta = getattr(hf_config, "rope_local_base_freq", None)
+    if layer_type == _SLIDING and local_theta is not None:
+        return config_checks.default_inv_freq(local_theta, head_dim), 1.0
+    return config_checks.rope_parameters(hf_config, head_dim)
+
+
+def gemma_rms_norm(
+    x: torch.Tensor,  # [..., size]
+    weight: torch.Tensor,  # [size]
+    eps: float,
+) -> torch.Tensor:  # [..., size] in x.dtype
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32 (float64 kept), rounded to
+    ``x.dtype`` once, as transformers' ``Gemma2RMSNorm``/``Gemma3RMSNorm`` compute it.
+
+    Example:
+        >>> gemma_rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([0.0, 1.0]), 0.0)
+        tensor([[0.8485, 2.2627]])
+    """
+    xf = x if x.dtype == torch.float64 else x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.to(xf.dtype))).to(x.dtype)
+
+
+def soft_cap(
+    logits: torch.Tensor,  # [rows, vocab] float32 or float64
+    cap: float,
+) -> torch.Tensor:  # [rows, vocab]
+    """``cap * tanh(logits / cap)`` (transformers' order); ``-inf`` stays ``-inf`` (the tokens a
+    draft vocabulary leaves out, :mod:`specdec.models.sub_vocab`, keep probability 0).
+
+    Example:
+        >>> soft_cap(torch.tensor([0.0, 30.0, float("-inf")]), 30.0)
+        tensor([ 0.0000, 22.8478,    -inf])
+    """
+    capped = torch.tanh(logits / cap) * cap
+    return torch.where(torch.isneginf(logits), logits, capped)
+
+
+def scale_embeddings(
+    embeds: torch.Tensor,  # [num_tokens, hidden]
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """``embeds * scale`` with ``scale`` first rounded to float32 and then to the embeddings'
+    dtype, as transformers multiplies (``sqrt(1152) = 33.94`` is 34.0 in bf16)."""
+    return embeds * float(torch.tensor(scale, dtype=torch.float32).to(embeds.dtype))
+
+
+class GemmaRMSNorm(nn.Module):
+    """:func:`gemma_rms_norm` with its weight (zeros: a norm times 1, as transformers starts)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """A Gemma decoder layer: Llama's attention and MLP modules (passed in, built by
+    :mod:`specdec.models.llama`) between four Gemma norms.
+
+    ``h + post_attention_norm(attn(input_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+        self.mlp = mlp
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden_size, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, 1, head_dim] this layer's RoPE
+        sin: torch.Tensor,
+        layer_kv: tuple[torch.Tensor, torch.Tensor],  # k, v pages [num_pages, page_size, Hkv, D]
+        backend: object,
+        plan: object,  # this layer's plan (its window)
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, backend, plan)
+        h = h + self.post_attention_layernorm(attn)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
