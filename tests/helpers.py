@@ -231,3 +231,25 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
             eos_token_id=None,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(hf, ids: list[int], dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """transformers' logits of ``ids`` in one pass without a cache: [len(ids), vocab]."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids]), use_cache=False).logits[0].to(dtype)
+
+
+def bf16_reference(hf):
+    """transformers' model with its weights rounded to bf16, computed in float32."""
+    import copy
+
+    ref = copy.deepcopy(hf).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return ref
+
+
+def bf16_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max |ours - ref| relative to the reference's logit range (bf16 noise is ~1%)."""
+    return float((ours.float() - ref.float()).abs().max() / (ref.max() - ref.min()))

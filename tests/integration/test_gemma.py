@@ -23,7 +23,14 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from helpers import hf_greedy, ragged_prefill_logits, record_drafts
+from helpers import (
+    bf16_error,
+    bf16_reference,
+    hf_greedy,
+    hf_logits,
+    ragged_prefill_logits,
+    record_drafts,
+)
 
 from specdec import Generator, SamplingParams
 from specdec.attention import CpuAttentionBackend
@@ -112,26 +119,6 @@ def _prompts(n: int, seed: int, lengths: tuple[int, int] = (8, 21)) -> list[list
     return [torch.randint(0, TINY["vocab_size"], (s,), generator=g).tolist() for s in sizes]
 
 
-def _hf_logits(hf, ids: list[int], dtype=None) -> torch.Tensor:  # [len(ids), vocab]
-    with torch.no_grad():
-        return hf(torch.tensor([ids]), use_cache=False).logits[0].to(dtype or F64)
-
-
-def _bf16_reference(hf):
-    """transformers' model with its weights rounded to bf16, computed in float32."""
-    import copy
-
-    ref = copy.deepcopy(hf).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return ref
-
-
-def _bf16_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / (ref.max() - ref.min()))
-
-
 def _cpu_prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     """Every row's logits of a ragged prefill through the CPU backend (its attention kernel)."""
     manager = KVCacheManager(PageAllocator(256), 4)
@@ -179,7 +166,7 @@ def test_logits_match_transformers_float64(checkpoint, family):
     assert isinstance(model.layers[0], gemma.GemmaDecoderLayer)
     prompts = _prompts(4, seed=1)
     for p, logits in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4)):
-        torch.testing.assert_close(logits, _hf_logits(hf, p), **HF_TOL)
+        torch.testing.assert_close(logits, hf_logits(hf, p), **HF_TOL)
 
 
 def _without(traits_change: dict):
@@ -216,7 +203,7 @@ def test_negative_controls_disagree(checkpoint, monkeypatch, family, control):
     model = model_from_state_dict(cfg, iter(hf.state_dict().items()), dtype=F64, device=torch.device("cpu"))
     prompts = _prompts(4, seed=1)
     errors = [
-        float((logits - _hf_logits(hf, p)).abs().max())
+        float((logits - hf_logits(hf, p)).abs().max())
         for p, logits in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4))
     ]
     assert max(errors) > 0.1, errors  # the tolerance above is 2e-5; 0.25-7.4 seen
@@ -237,13 +224,13 @@ def test_logits_match_transformers_bf16_without_the_fused_paths(checkpoint, kern
     path, hf = checkpoint(family)
     model, _, _ = load_model(path, dtype="bfloat16")  # packed
     prompts = _prompts(4, seed=3)
-    ref = _bf16_reference(hf)
+    ref = bf16_reference(hf)
     ours = _cpu_prefill_logits(model, prompts)
-    errors = [_bf16_error(o, _hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
+    errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     assert max(errors) < BF16_TOL, errors
     reference_attention = ragged_prefill_logits(model, prompts)  # the torch backend
     for a, b in zip(ours, reference_attention):
-        assert _bf16_error(a, b) < 0.02
+        assert bf16_error(a, b) < 0.02
 
 
 def _random_eagle3_head(target, seed: int = 2):
@@ -501,7 +488,7 @@ def test_gguf_loads_as_its_source(gguf_files, family):
     )
     prompts = _prompts(3, seed=4)
     for p, logits in zip(prompts, ragged_prefill_logits(model, prompts)):
-        torch.testing.assert_close(logits, _hf_logits(source, p, torch.float32), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, hf_logits(source, p, torch.float32), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

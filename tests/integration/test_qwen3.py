@@ -20,7 +20,14 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from helpers import hf_greedy, ragged_prefill_logits, record_drafts
+from helpers import (
+    bf16_error,
+    bf16_reference,
+    hf_greedy,
+    hf_logits,
+    ragged_prefill_logits,
+    record_drafts,
+)
 
 from specdec import CacheConfig, Generator, SamplingParams
 from specdec.models import llama
@@ -95,27 +102,6 @@ def _prompts(n: int, seed: int, lengths: tuple[int, int] = (1, 20)) -> list[list
     return [torch.randint(0, TINY["vocab_size"], (s,), generator=g).tolist() for s in sizes]
 
 
-def _hf_logits(hf, ids: list[int], dtype=None) -> torch.Tensor:  # [len(ids), vocab]
-    with torch.no_grad():
-        return hf(torch.tensor([ids]), use_cache=False).logits[0].to(dtype or F64)
-
-
-def _bf16_reference(hf):
-    """transformers' model with its weights rounded to bf16, computed in float32."""
-    import copy
-
-    ref = copy.deepcopy(hf).float()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return ref
-
-
-def _bf16_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    """Max |ours - ref| relative to the reference's logit range (bf16 noise is ~1%)."""
-    return float((ours.float() - ref.float()).abs().max() / (ref.max() - ref.min()))
-
-
 def _skip_qk_norms(model) -> None:
     """The negative control: a model that forgets Qwen3's q/k norms (plain path)."""
     for layer in model.layers:
@@ -156,7 +142,7 @@ def test_logits_match_transformers_float64(checkpoint, name, overrides):
     assert model.layers[0].self_attn.q_norm.weight.shape == (24,)
     prompts = _prompts(5, seed=1)
     for p, logits in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4)):
-        torch.testing.assert_close(logits, _hf_logits(hf, p), **HF_TOL)
+        torch.testing.assert_close(logits, hf_logits(hf, p), **HF_TOL)
 
 
 def test_negative_control_without_qk_norm_disagrees(checkpoint):
@@ -165,7 +151,7 @@ def test_negative_control_without_qk_norm_disagrees(checkpoint):
     _skip_qk_norms(model)
     prompts = _prompts(5, seed=1)
     errors = [
-        float((logits - _hf_logits(hf, p)).abs().max())
+        float((logits - hf_logits(hf, p)).abs().max())
         for p, logits in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4))
     ]
     assert min(errors) > 0.05, errors  # the tolerance above is 2e-5
@@ -185,9 +171,9 @@ def test_logits_match_transformers_bf16(checkpoint, kernel, monkeypatch, skip_no
     monkeypatch.setattr(llama, "_norm_qk", counted)
     prompts = _prompts(4, seed=3)
     ours = ragged_prefill_logits(model, prompts, page_size=4)
-    ref = _bf16_reference(hf)
+    ref = bf16_reference(hf)
     assert len(calls) == model.config.num_layers  # the fused path ran, and normed every layer
-    errors = [_bf16_error(o, _hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
+    errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     if skip_norms:
         assert min(errors) > 2 * BF16_TOL, errors
     else:
@@ -203,7 +189,7 @@ def test_fused_qk_norm_matches_torch_reference(checkpoint, kernel, monkeypatch):
     monkeypatch.setattr(llama, "_fused_ops", lambda embeds: None)
     plain = ragged_prefill_logits(model, prompts, page_size=4)
     for a, b in zip(fused, plain):
-        assert _bf16_error(a, b) < 0.02
+        assert bf16_error(a, b) < 0.02
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "draft-model"])
@@ -245,9 +231,9 @@ def test_bf16_speculation_is_exact_and_skips_the_stack_kernel(checkpoint, kernel
     )
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain]
     assert spec.metrics.num_accepted > 0
-    ref = _bf16_reference(hf)
+    ref = bf16_reference(hf)
     for p, out in zip(prompts, plain):
-        logits = _hf_logits(ref, p + out.token_ids, torch.float32)[len(p) - 1 : -1]
+        logits = hf_logits(ref, p + out.token_ids, torch.float32)[len(p) - 1 : -1]
         chosen = logits.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         # each bf16 token is transformers' argmax or within bf16 noise of it
         assert bool(
@@ -281,11 +267,11 @@ def test_quantized_checkpoint_loads_and_runs(
     prompts = _prompts(3, seed=6)
     a = ragged_prefill_logits(first, prompts)
     b = ragged_prefill_logits(second, prompts)
-    ref = _bf16_reference(hf)
+    ref = bf16_reference(hf)
     for p, x, y in zip(prompts, a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
         cosine = torch.nn.functional.cosine_similarity(
-            x.float(), _hf_logits(ref, p, torch.float32), dim=-1
+            x.float(), hf_logits(ref, p, torch.float32), dim=-1
         )
         assert float(cosine.min()) > min_cosine, cosine
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -322,7 +308,7 @@ def test_sliding_window_on_every_layer(checkpoint):
             cache_config=CacheConfig(page_size=4),
         )
         for p, out in zip(prompts, gen.generate(prompts, params)):
-            ref = _hf_logits(hf, p + out.token_ids)[len(p) - 1 : -1]
+            ref = hf_logits(hf, p + out.token_ids)[len(p) - 1 : -1]
             assert out.token_ids == ref.argmax(-1).tolist()
             ours = torch.full((len(out.logprobs), vocab), float("nan"), dtype=F64)
             for i, step in enumerate(out.logprobs):
@@ -338,7 +324,7 @@ def test_sliding_window_on_every_layer(checkpoint):
     )  # fmt: skip
     ids = _prompts(1, seed=9, lengths=(20, 21))[0]
     ours = ragged_prefill_logits(unwindowed, [ids])[0]
-    ref = _hf_logits(hf, ids)
+    ref = hf_logits(hf, ids)
     torch.testing.assert_close(ours[:WINDOW], ref[:WINDOW], **HF_TOL)
     assert float((ours[WINDOW:] - ref[WINDOW:]).abs().amax(-1).min()) > 1e-3
 
