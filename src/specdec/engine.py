@@ -247,8 +247,10 @@ class Engine:
         """The policy's k per request, checked against what each can keep."""
         # Drafting past a request's remaining budget is wasted work: the last emitted token
         # is always the target's own, so at most remaining - 1 drafts can be kept.
-        caps = tuple(max(0, r.remaining() - 1) for r in reqs)
-        caps = self._kind_rules(self.proposer.kind).caps(caps, lookahead)
+        remaining = tuple(r.remaining() for r in reqs)
+        caps = self._kind_rules(self.proposer.kind).caps(
+            tuple(max(0, n - 1) for n in remaining), lookahead
+        )
         ctx = SpeculationContext(
             seq_ids=tuple(r.seq_id for r in reqs),
             params=tuple(r.params for r in reqs),
@@ -256,6 +258,7 @@ class Engine:
             unseen=self._unseen(reqs),
             max_k=lookahead,
             kind=self.proposer.kind,
+            remaining=remaining,
         )
         ks = _check_ks(self.policy.choose(ctx), caps, lookahead)
         for req, k in zip(reqs, ks):

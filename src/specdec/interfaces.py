@@ -452,6 +452,9 @@ class SpeculationContext:
     target's own token); ``unseen[i]`` counts the tokens of its history that the proposer has not
     been shown in a ``propose`` call (all of them before its first draft, then those emitted in
     steps where it drafted nothing): a stateful proposer (a draft model) must catch up on them.
+    ``remaining[i]`` is the most tokens request ``i`` may still emit (for a chain ``caps[i] + 1``;
+    a tree's caps count nodes, so only this field tells how long the request has left); empty
+    where the caller does not know (a policy then assumes ``caps[i] + 1``).
     """
 
     seq_ids: tuple[int, ...]
@@ -460,6 +463,7 @@ class SpeculationContext:
     unseen: tuple[int, ...]
     max_k: int  # this step's widest allowed draft (the proposer's k, or 0 when pages are short)
     kind: ProposalKind = ProposalKind.CHAIN  # TREE: k counts tree nodes, not chain positions
+    remaining: tuple[int, ...] = ()
 
 
 @runtime_checkable

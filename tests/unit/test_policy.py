@@ -659,14 +659,17 @@ def test_release_forgets_the_request():
 # ----------------------------------------------------------------------------- trees
 
 
-def tree_context(batch: int, max_k: int = 16, caps: int = 100) -> SpeculationContext:
+def tree_context(
+    batch: int, max_k: int = 16, caps: int = 100, unseen: int = 0, remaining: int | None = None
+) -> SpeculationContext:
     return SpeculationContext(
         seq_ids=tuple(range(batch)),
         params=(GREEDY,) * batch,
         caps=(caps,) * batch,
-        unseen=(0,) * batch,
+        unseen=(unseen,) * batch,
         max_k=max_k,
         kind=ProposalKind.TREE,
+        remaining=() if remaining is None else (remaining,) * batch,
     )
 
 
@@ -771,6 +774,68 @@ def test_tree_choices_leave_requests_without_budget_at_zero():
     assert policy.choose(ctx) == (16, 0)
 
 
+CATCH_UP_S = 0.003  # a draft model's catch-up per unseen token: a 200-token prompt, 6 plain steps
+
+
+def test_a_prompt_catch_up_is_not_taken_for_the_tree_drafting_cost():
+    """Only the whole tree pays here (3 tokens in 0.13 s against a plain step's 1 in 0.1 s). Its
+    first step also catches up on the prompt; counted as drafting, that 0.6 s would price the
+    whole tree off, and once the smaller trees had been tried, every tree."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    flat_then_linear(policy, flat_rows=32)  # the plain step and every verify pass: 0.1 s
+    accepted = {1: 0, 2: 0, 4: 0, 8: 0, 16: 2}
+    unseen, choices = 200, []
+    for _ in range(8):
+        n = policy.choose(tree_context(1, unseen=unseen))[0]
+        choices.append(n)
+        if n == 0:
+            unseen += 1
+            continue
+        policy.observe_propose(1, n, 0.030 + CATCH_UP_S * unseen, unseen=unseen)
+        policy.observe_verify(0, n, accepted[n])
+        unseen = 0  # the proposer has seen the request's history now
+    assert choices[0] == 16 and 0 not in choices and choices[-3:] == [16] * 3, choices
+    assert policy.trees.draft_seconds(16, 1) == pytest.approx(0.030)
+
+
+def tree_policy_with_catch_up() -> AdaptivePolicy:
+    """Every tree size measured (0.03 s to draft, 2 tokens accepted), then a new request's
+    first tree step: 0.6 s of catch-up on its 200-token prompt."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    flat_then_linear(policy, flat_rows=32)
+    for n in TreeSizer.sizes(16):
+        policy.observe_propose(1, n, 0.030, unseen=0)
+        policy.observe_verify(0, n, 2)
+    policy.observe_propose(1, 16, 0.030 + CATCH_UP_S * 200, unseen=200)
+    return policy
+
+
+def test_a_tree_step_s_catch_up_is_measured_as_catch_up():
+    policy = tree_policy_with_catch_up()
+    assert policy.catchup_seconds(200) == pytest.approx(CATCH_UP_S * 200)
+    assert policy.trees.draft_seconds(16, 1) == pytest.approx(0.030)  # drafting unchanged
+
+
+def test_a_tree_step_with_unseen_tokens_and_no_drafting_measured_is_not_recorded():
+    policy = AdaptivePolicy()
+    policy.choose(tree_context(1))
+    policy.observe_propose(1, 16, 0.600, unseen=200)
+    assert not policy.trees.draft_costs and not policy.catchup_cost.measured
+
+
+def test_tree_catch_up_is_paid_only_where_the_remaining_tokens_repay_it():
+    policy = tree_policy_with_catch_up()
+    # The engine's tree caps count nodes (max_k for every open request); ctx.remaining tells
+    # how long a request has left. 0.6 s over the 5 / 3 steps left: more than the tree saves.
+    assert policy.choose(tree_context(1, caps=16, unseen=200, remaining=5)) == (0,)
+    assert policy.choose(tree_context(1, caps=16, unseen=200, remaining=500)) == (16,)
+    assert policy.choose(tree_context(1, caps=16, unseen=0, remaining=5)) == (16,)
+    # Without remaining, a policy can only assume caps + 1 tokens are left.
+    assert policy.choose(tree_context(1, caps=4, unseen=200)) == (0,)
+
+
 # ----------------------------------------------------------------------------- cold-start luck
 
 
@@ -870,3 +935,15 @@ def test_negative_control_optimism_at_every_size_tries_the_64_row_pass(monkeypat
     policy.observe_propose(1, 1, 0.05, unseen=0)
     accepting(policy, 0, accepted=4, drafted=5, n=20)
     assert sum(policy.choose(context(16))) > 0
+
+
+def test_one_unlucky_first_tree_step_does_not_price_the_size_at_zero():
+    """A new size starts from one fading pseudo-step at the prior: after one step that kept
+    nothing it is priced between the two (zero would keep it off until a probe), and the prior
+    is gone once real steps pile up."""
+    sizer = TreeSizer(decay=0.9, cost_decay=0.8, prior_accepted=1.0)
+    sizer.observe_verify(0, 16, 0)
+    assert sizer.accepted(16) == pytest.approx(0.9 / 1.9)
+    for _ in range(200):
+        sizer.observe_verify(0, 16, 3)
+    assert sizer.accepted(16) == pytest.approx(3.0, rel=1e-6)

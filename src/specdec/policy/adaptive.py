@@ -124,8 +124,12 @@ class AdaptivePolicy:
 
     Trees: for a tree proposer (``ctx.kind`` TREE) k counts tree nodes and the choice is one
     tree size for the step, from the measured accepted length per size and drafting cost per
-    step (:class:`~specdec.policy.tree.TreeSizer`). The first tree context switches the policy's
-    observations of drafting and verification to the tree model.
+    step (:class:`~specdec.policy.tree.TreeSizer`), plus each open request's catch-up spread
+    over the steps it has left, as above. Catch-up is priced and measured apart from drafting:
+    a ``propose`` call with unseen tokens feeds the catch-up curve, never a tree's drafting cost
+    (one prompt's catch-up taken for drafting once made trees look several plain steps dear and
+    switched them off). The first tree context switches the policy's observations of drafting
+    and verification to the tree model.
 
     Costs come from wall-clock timings, so choices vary from run to run; greedy output never
     does. One instance belongs to one generator (state is keyed by request id).
@@ -216,7 +220,8 @@ class AdaptivePolicy:
         A stateful proposer (a draft model) runs them through its first forward. Measured from
         ``propose`` calls that had tokens to catch up on; before the first, that forward is
         assumed to cost like the target's over the same rows, scaled by the measured ratio of
-        one drafted token to one target row.
+        one drafted token to one target row. (Tree proposers never feed that chain ratio, so
+        for them an unmeasured catch-up is free: optimistic, tried once, then measured.)
         """
         if unseen <= 0:
             return 0.0
@@ -232,7 +237,7 @@ class AdaptivePolicy:
     def choose(self, ctx: SpeculationContext) -> tuple[int, ...]:
         if ctx.kind is ProposalKind.TREE:
             self._trees = True
-            return self.trees.choose(ctx, self.target_cost)
+            return self.trees.choose(ctx, self.target_cost, self.catchup_seconds)
         caps = [min(c, ctx.max_k) for c in ctx.caps]
         # Evidence ages with steps, not with observations alone: a request at k = 0 (and a
         # generator where none drafts) drifts back toward the prior and drafts again, instead
@@ -438,7 +443,7 @@ class AdaptivePolicy:
         if batch < 1 or width < 1:
             return
         if self._trees:
-            self.trees.observe_propose(batch, width, seconds)
+            self._observe_tree_propose(batch, width, seconds, unseen)
             return
         if unseen <= 0:
             self.draft_cost.observe(batch, seconds / width)
@@ -456,6 +461,17 @@ class AdaptivePolicy:
             per_token = seconds * tb / work if work > 0 else seconds / width
             self.draft_cost.observe(batch, per_token)
         self.catchup_cost.observe(unseen, max(0.0, seconds - width * per_token))
+
+    def _observe_tree_propose(self, batch: int, n: int, seconds: float, unseen: int) -> None:
+        if unseen <= 0:
+            self.trees.observe_propose(batch, n, seconds)
+        elif self.trees.draft_measured(n):
+            drafting = self.trees.draft_seconds(n, batch)
+            self.catchup_cost.observe(unseen, max(0.0, seconds - drafting))
+        # Else the split is unknown and the call is not recorded at all: taken as drafting
+        # cost, the catch-up would price the size too dear to be tried again before a probe
+        # (the chain path's guess, a ratio of the target's cost, has no tree counterpart). The
+        # next step of a request that drafted has nothing unseen and times drafting alone.
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:

@@ -5,7 +5,10 @@ higher-scoring nodes first), so the tree of ``n`` nodes is a subtree of the tree
 nodes and its accepted path is never longer: the expected accepted length ``A(n)`` does not
 fall with ``n``, while the verify pass's rows ``n + 1`` (and on large batches its cost) grow. A
 tree's drafting cost does not depend on ``n`` (the whole tree is grown, then trimmed); it is a
-cost per step, by the number of drafting requests.
+cost per step, by the number of drafting requests. A draft model's catch-up on tokens it has not
+seen (a whole prompt on a request's first drafting step) is not part of it: the policy measures
+it on its own curve and :meth:`TreeSizer.choose` adds each open request's catch-up, spread over
+the steps the request has left, to the time of every tree size.
 
 :class:`TreeSizer` learns ``A(n)`` per power-of-two bucket of ``n`` (decayed means, with each
 request's own ratio to the generator-wide means, shrunk toward 1) and the drafting cost, and
@@ -27,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from specdec.interfaces import SpeculationContext
 from specdec.policy.cost_model import CostCurve, Extrapolation
@@ -96,24 +100,43 @@ class TreeSizer:
         below = [b for b in self.draft_costs if b <= bucket]
         return self.draft_costs[max(below)].estimate(drafting) if below else 0.0
 
+    def draft_measured(self, n: int) -> bool:
+        """Whether growing trees of ``n`` nodes has been timed (``n``'s own bucket)."""
+        return n > 0 and int(math.log2(n)) in self.draft_costs
+
     def step_seconds(self, target_cost: CostCurve, rows: int, n: int, drafting: int) -> float:
         """Estimated seconds of a step: ``rows`` target rows, ``drafting`` trees of ``n`` nodes."""
         return target_cost.estimate(rows, optimistic=True) + self.draft_seconds(n, drafting)
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, ctx: SpeculationContext, target_cost: CostCurve) -> tuple[int, ...]:
-        """One node count for every request that can keep a draft, the best rate's (0 = off)."""
+    def choose(
+        self,
+        ctx: SpeculationContext,
+        target_cost: CostCurve,
+        catchup: Callable[[int], float],
+    ) -> tuple[int, ...]:
+        """One node count for every request that can keep a draft, the best rate's (0 = off).
+
+        ``catchup(unseen)``: the estimated seconds of the proposer's catch-up on ``unseen``
+        tokens (:meth:`~specdec.policy.adaptive.AdaptivePolicy.catchup_seconds`).
+        """
         open_ = [c > 0 for c in ctx.caps]
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
             return (0,) * len(ctx.caps)
         batch = len(ctx.caps)
+        drafting = sum(open_)
+        # Once per request, not per size: the catch-up does not depend on the tree.
+        catchups = [catchup(u) if o and u > 0 else 0.0 for u, o in zip(ctx.unseen, open_)]
+        # A tree's caps count nodes (the engine sets every open one to max_k), so how long a
+        # request has left to repay its catch-up comes from ctx.remaining.
+        remaining = ctx.remaining or tuple(c + 1 for c in ctx.caps)
         best_n, best_rate = 0, batch / self.step_seconds(target_cost, batch, 0, 0)
         for n in reversed(self.sizes(ctx.max_k)):  # ties go to the larger tree: it measures more
-            emitted = sum(
-                1.0 + (self.accepted(n, s) if o else 0.0) for s, o in zip(ctx.seq_ids, open_)
+            accepted = [self.accepted(n, s) if o else 0.0 for s, o in zip(ctx.seq_ids, open_)]
+            emitted = sum(1.0 + a for a in accepted)
+            seconds = self.step_seconds(target_cost, batch + n * drafting, n, drafting) + sum(
+                _spread(c, left, 1.0 + a) for c, left, a in zip(catchups, remaining, accepted)
             )
-            drafting = sum(open_)
-            seconds = self.step_seconds(target_cost, batch + n * drafting, n, drafting)
             rate = emitted / seconds if seconds > 0 else math.inf
             if rate > best_rate:
                 best_n, best_rate = n, rate
@@ -140,10 +163,22 @@ class TreeSizer:
             return
         expected = self.accepted(num_drafted)  # the generator-wide estimate, before this step
         bucket = int(math.log2(num_drafted))
-        total, count = self._accepted.get(bucket, (0.0, 0.0))
+        # A new bucket starts from one pseudo-step at the prior, which fades like any step: one
+        # unlucky first step (nothing accepted) would otherwise price the size at zero and
+        # keep it off until a probe.
+        total, count = self._accepted.get(bucket, (self.prior_accepted, 1.0))
         self._accepted[bucket] = [self.decay * total + num_accepted, self.decay * count + 1.0]
         got, exp = self._ratio.get(seq_id, (0.0, 0.0))
         self._ratio[seq_id] = [self.decay * got + num_accepted, self.decay * exp + expected]
 
     def release(self, seq_id: int) -> None:
         self._ratio.pop(seq_id, None)
+
+
+def _spread(catchup_s: float, remaining: int, per_step: float) -> float:
+    """Seconds per step of a catch-up of ``catchup_s`` spread over the steps (at least one) a
+    request that may still emit ``remaining`` tokens has left at ``per_step`` emitted tokens a
+    step: a request about to finish does not pay for a long catch-up (as in the chain policy)."""
+    if catchup_s <= 0:
+        return 0.0
+    return catchup_s / max(1.0, remaining / per_step)
