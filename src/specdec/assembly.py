@@ -59,6 +59,7 @@ class Assembly:
     max_model_len: int  # CacheConfig.max_model_len, or the target's context
     max_context: int  # the target's max_position_embeddings
     cache_config: CacheConfig
+    context_field: str = "max_position_embeddings"  # the config field that sets max_context
 
     @property
     def capacity(self) -> int:
@@ -71,7 +72,8 @@ class Assembly:
     def length_bound(self) -> str:
         """What holds a request to :attr:`capacity` tokens, and how to raise it."""
         return length_bound(max_len=self.max_model_len, capacity=self.capacity,
-                            max_context=self.max_context, cache_config=self.cache_config)  # fmt: skip
+                            max_context=self.max_context, cache_config=self.cache_config,
+                            context_field=self.context_field)  # fmt: skip
 
 
 def assemble(
@@ -94,7 +96,8 @@ def assemble(
     context); the page pool all requests share is sized by :func:`specdec.kv.sizing.pool_pages`.
     """
     max_context = target.config.max_position_embeddings
-    max_len = model_len(cache_config, max_context)  # before any proposer is bound
+    field = target.config.context_field  # what sets max_context (Phi-3's longrope: not itself)
+    max_len = model_len(cache_config, max_context, field)  # before any proposer is bound
     policy = resolve_policy(policy, proposer)
     if isinstance(proposer, UsesTargetTokenizer):  # before attach, which checks the vocabulary
         proposer.set_target_tokenizer(tokenizer)
@@ -130,7 +133,8 @@ def assemble(
     if isinstance(target, TensorParallelLlama):
         target.bind(kv)  # the other ranks build the same pages
     return Assembly(kv=kv, scheduler=scheduler, engine=engine, max_seq_slots=max_seq_slots,
-                    max_model_len=max_len, max_context=max_context, cache_config=cache_config)  # fmt: skip
+                    max_model_len=max_len, max_context=max_context, cache_config=cache_config,
+                    context_field=field)  # fmt: skip
 
 
 def _kv_cache(

@@ -655,10 +655,10 @@ def test_header_refuses_what_is_not_a_whole_gguf(files, tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ValueError, match=message):
             load_model(tmp_path / name)
-    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="phi.gguf: GGUF architecture 'phi3' is not supported"):
+    with pytest.raises(ValueError, match="phi.gguf: GGUF architecture 'phi2' is not supported"):
         GgufFile.read(tmp_path / "phi.gguf").hf_config()

@@ -125,3 +125,18 @@ def test_visibility_mask_rules():
     ]
     w = visibility_mask(1, 5, sliding_window=2)
     assert w.tolist() == [[False, False, False, True, True]]
+
+
+def test_a_window_counts_a_tree_rows_position_not_its_slot():
+    """A tree row's position is the prefix length plus its depth, wherever its slot: the second
+    child (slot 8) and the grandchild (slot 9) of a 6-slot prefix sit at positions 7 and 8, so a
+    window of 4 shows them prefix slots 4-5 and 5 (counted by slot, one fewer each)."""
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    m = visibility_mask(4, 10, tree, sliding_window=4)
+    f, t = False, True
+    assert m.tolist() == [
+        [f, f, f, t, t, t, t, f, f, f],  # root, position 6
+        [f, f, f, f, t, t, t, t, f, f],  # first child, position 7
+        [f, f, f, f, t, t, t, f, t, f],  # second child, position 7
+        [f, f, f, f, f, t, t, f, t, t],  # its child, position 8
+    ]

@@ -50,7 +50,9 @@ def visibility_mask(
 
     New row ``r`` sits at slot ``kv_len - q_len + r``. Causal rows see every slot up to their
     own; tree rows see the prefix and the new rows their tree mask marks. A sliding window
-    hides slots more than ``sliding_window - 1`` before the row's own slot.
+    hides keys more than ``sliding_window - 1`` positions before the row's own position: a
+    slot's position, except for tree rows, whose position is the prefix length plus their
+    depth (the tree rows their mask marks, less themselves; a deep node's slot comes later).
     """
     start = kv_len - q_len
     row_slot = torch.arange(start, kv_len).unsqueeze(1)  # [q_len, 1]
@@ -60,7 +62,10 @@ def visibility_mask(
         visible = visible.clone()
         visible[:, start:] = tree_mask.to(torch.bool)
     if sliding_window is not None:
-        visible &= col > row_slot - sliding_window
+        position = torch.arange(kv_len)  # [kv_len]
+        if tree_mask is not None:
+            position[start:] = start + tree_mask.to(torch.int64).sum(-1) - 1
+        visible &= position.unsqueeze(0) > position[start:].unsqueeze(1) - sliding_window
     return visible
 
 

@@ -39,11 +39,18 @@ _SPLITS = (
 
 def check_shardable(cfg: ModelConfig, world_size: int) -> None:
     """ValueError naming ``tensor_parallel_size`` unless the heads and the MLP width divide
-    (and for Gemma models, whose vocab-parallel logits would miss the soft cap: not sharded)."""
-    if cfg.gemma is not None and world_size > 1:
+    (and for Gemma models, whose vocab-parallel logits would miss the soft cap, and OLMo 2
+    models, whose q/k norms span every head: not sharded)."""
+    if (cfg.gemma is not None or cfg.olmo2) and world_size > 1:
+        family = "OLMo 2" if cfg.olmo2 else "Gemma"
         raise ValueError(
             f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for "
-            f"{cfg.architecture.value} (Gemma) models; use tensor_parallel_size=1"
+            f"{cfg.architecture.value} ({family}) models; use tensor_parallel_size=1"
+        )
+    if cfg.phi3 is not None and world_size > 1:  # read_shard slices q/k/v and gate/up by name
+        raise ValueError(
+            f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for phi3 "
+            "(Phi-3) models, whose checkpoints fuse q/k/v and gate/up; use tensor_parallel_size=1"
         )
     counts = {
         "attention heads": cfg.num_heads,

@@ -37,9 +37,12 @@ DEFAULT_SLOT_TOKENS = 4096
 _GIB = 1024**3
 
 
-def model_len(cache_config: CacheConfig, max_context: int) -> int:
+def model_len(
+    cache_config: CacheConfig, max_context: int, context_field: str = "max_position_embeddings"
+) -> int:
     """The most tokens one request may reach: ``cache_config.max_model_len`` (or its deprecated
-    name ``max_num_tokens``), else the target's context; ValueError past the context.
+    name ``max_num_tokens``), else the target's context; ValueError past the context, naming
+    ``context_field``, the config field that sets it.
 
     >>> model_len(CacheConfig(max_model_len=100), 512), model_len(CacheConfig(), 512)
     (100, 512)
@@ -49,7 +52,7 @@ def model_len(cache_config: CacheConfig, max_context: int) -> int:
         return max_context
     if given > max_context:
         raise ValueError(
-            f"max_model_len ({given}) exceeds the model's context (max_position_embeddings = "
+            f"max_model_len ({given}) exceeds the model's context ({context_field} = "
             f"{max_context}); pass at most {max_context}, or None for the whole context"
         )
     return given
@@ -75,7 +78,12 @@ def pool_pages(cache_config: CacheConfig, *, max_len: int, k: int) -> int:
 
 
 def length_bound(
-    *, max_len: int, capacity: int, max_context: int, cache_config: CacheConfig
+    *,
+    max_len: int,
+    capacity: int,
+    max_context: int,
+    cache_config: CacheConfig,
+    context_field: str = "max_position_embeddings",
 ) -> str:
     """What holds a request to ``min(max_len, capacity)`` tokens, and how to raise it (for the
     errors of over-long requests)."""
@@ -89,7 +97,7 @@ def length_bound(
             f"max_model_len; raise CacheConfig(max_model_len=...) or --max-model-len, up to the "
             f"model's context of {max_context}"
         )
-    return "the model's context, max_position_embeddings"
+    return f"the model's context, {context_field}"
 
 
 def check_pool_fits(

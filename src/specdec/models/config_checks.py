@@ -8,7 +8,8 @@ weight is, and a value the decoder cannot honour raises a ValueError naming the 
 value and what is supported.
 
 The fields, as transformers 5's ``models/{llama,qwen2,qwen3,mistral}`` use them (Gemma 2 and
-Gemma 3 read some differently, and have fields of their own: :mod:`specdec.models.gemma`):
+Gemma 3 read some differently, and have fields of their own: :mod:`specdec.models.gemma`; so
+do Phi-3's RoPE and window: :mod:`specdec.models.phi3`):
 
 - ``hidden_act``: ``ACT2FN[hidden_act]`` in every MLP. Any parameter-free activation is honoured
   (SiLU also by the CPU kernels' fused ops, the others by plain torch ops); ``prelu`` and
@@ -16,9 +17,9 @@ Gemma 3 read some differently, and have fields of their own: :mod:`specdec.model
 - ``sliding_window``, ``use_sliding_window``, ``max_window_layers``, ``layer_types``: which
   layers attend through a window. These families must have the same window on all of them
   (:func:`uniform_window`); Gemma's layers each have their own.
-- ``attention_bias``, ``mlp_bias``: Llama reads both; Qwen3 reads ``attention_bias`` (q/k/v and
-  o_proj; its MLP has no biases). Qwen2's q/k/v always have biases and its other linears none;
-  Mistral's have none, whatever these say (:func:`linear_biases`).
+- ``attention_bias``, ``mlp_bias``: Llama reads both; Qwen3 and OLMo 2 read ``attention_bias``
+  (q/k/v and o_proj; their MLPs have no biases). Qwen2's q/k/v always have biases and its
+  other linears none; Mistral's and Phi-3's have none, whatever these say (:func:`linear_biases`).
 - ``rope_parameters`` (older configs: ``rope_scaling``): every static RoPE type is computed by
   transformers' own functions (:func:`check_rope_type`, :func:`check_rotary_dims`).
 - ``quantization_config``: pre-quantized weights (GPTQ, AWQ, bitsandbytes, FP8, ...), whose
@@ -84,13 +85,13 @@ def check_activation(hf_config: object, field: str = "hidden_act") -> str:
 def linear_biases(hf_config: object, arch: str) -> tuple[bool, bool, bool]:
     """``(qkv_bias, o_bias, mlp_bias)`` of architecture ``arch`` (an ``Architecture`` value)
     as transformers builds its linears: Llama reads ``attention_bias`` and ``mlp_bias``, Qwen3,
-    Gemma 2 and Gemma 3 ``attention_bias`` only (default False)."""
+    Gemma 2, Gemma 3 and OLMo 2 ``attention_bias`` only (default False)."""
     if arch == "qwen2":
         return True, False, False
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         return False, False, False
     attention = bool(getattr(hf_config, "attention_bias", False))
-    if arch in ("qwen3", "gemma2", "gemma3_text"):
+    if arch in ("qwen3", "gemma2", "gemma3_text", "olmo2"):
         return attention, attention, False
     return attention, attention, bool(getattr(hf_config, "mlp_bias", False))
 

@@ -212,10 +212,12 @@ class EagleHeadConfig:
             rope_attention_scaling=self.rope_attention_scaling,
             # EAGLE heads are Llama layers whatever the target (public EAGLE-3 heads for Qwen3
             # have no q/k norms): the target's architecture-specific fields do not carry over
-            # (Gemma's: norms, windows per layer, attention scale and soft caps).
+            # (Gemma's: norms, windows per layer, attention scale and soft caps; OLMo 2's layer).
             qk_norm=False,
             hidden_act="silu",
             gemma=None,
+            olmo2=False,
+            phi3=None,
         )
 
     def to_json(self) -> dict[str, object]:

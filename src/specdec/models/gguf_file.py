@@ -11,10 +11,13 @@ tensor's bytes from that one object (:func:`specdec.models.loading.load_model`).
 
 The config follows transformers' GGUF reader for the architectures specdec runs (its key names,
 its defaults, and ``tie_word_embeddings`` where the file has no ``output.weight``), so a model
-loads as it did through transformers; tests hold the two together. For Gemma 2 / Gemma 3 it
+loads as it did through transformers; tests hold the two together (transformers reads no
+``olmo2`` file: OLMo 2's config is read the same way, its tests hold it to its source model;
+OLMo 3 files, also written as ``olmo2``, are refused). For Gemma 2 / Gemma 3 it
 also reads what llama.cpp writes and transformers' reader skips (the soft caps, Gemma 3's
 linear RoPE scaling and layer pattern) and sets the attention scale by llama.cpp's rule
-(:meth:`GgufFile._gemma_config`).
+(:meth:`GgufFile._gemma_config`). For Phi-3 it reads what transformers' reader skips: partial
+RoPE, longrope (its factors are tensors of the file) and the window (:meth:`GgufFile._phi3_config`).
 
 Example::
 
@@ -61,7 +64,7 @@ _TOKEN_KEYS = {
     "tokenizer.ggml.unknown_token_id": "unk_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
-_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3")  # llama.cpp writes Mistral as "llama"
+_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3", "olmo2", "phi3")  # Mistral: as "llama"
 # Gemma's keys beside _CONFIG_KEYS: transformers' GGUF_CONFIG_MAPPING for gemma2 and gemma3, plus
 # the soft caps llama.cpp's converter writes (transformers' reader skips them and falls back on
 # Gemma2Config's defaults, 50 and 30, which are also the released checkpoints' values).
@@ -76,6 +79,9 @@ _GEMMA_MODEL_TYPES = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # text only:
 # models (46 layers for Gemma 2, 62 for Gemma 3), 1/sqrt(head_dim) for the others; the file has
 # no key for it, so query_pre_attn_scalar is set by the same rule.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# llama.cpp writes OLMo 3 as "olmo2" too, with its sliding-window layers, and OLMo 2's YaRN RoPE
+# scaling as keys this reader does not map: files with these keys are refused.
+_OLMO2_REFUSED_KEYS = ("attention.sliding_window", "attention.sliding_window_pattern", "rope.scaling.type")
 
 
 @attrs.frozen(eq=False)
@@ -161,6 +167,9 @@ class GgufFile:
         )
         if self.architecture in _GEMMA_MODEL_TYPES:
             keys.update(_GEMMA_KEYS)
+        if self.architecture == "olmo2":
+            self._check_olmo2()
+            keys["attention.key_length"] = "head_dim"
         config: dict[str, object] = {"model_type": self.model_type}
         for key, name in keys.items():
             if f"{self.architecture}.{key}" in self.metadata:
@@ -173,7 +182,35 @@ class GgufFile:
             config["vocab_size"] = self.metadata["tokenizer.ggml.tokens"]  # its length, see _Reader
         if self.architecture in _GEMMA_MODEL_TYPES:
             config.update(self._gemma_config(config))
+        if self.architecture == "phi3":
+            config.update(self._phi3_config(config))
         return config
+
+    def _phi3_config(self, config: dict[str, object]) -> dict[str, object]:
+        """What a Phi-3 file says beyond the common keys, as llama.cpp's converter writes it
+        (transformers' reader skips all of it): ``rope.dimension_count``, the rotated channels of
+        a head (``partial_rotary_factor``: 0.75 for Phi-4-mini); ``attention.sliding_window``
+        (0: none); for longrope ``rope.scaling.original_context_length``,
+        ``rope.scaling.attn_factor`` (the factor llama.cpp applies, kept as the config's
+        ``attention_factor``) and the ``rope_factors_short``/``rope_factors_long`` tensors."""
+        out: dict[str, object] = {}
+        meta = {k.removeprefix("phi3."): v for k, v in self.metadata.items() if k.startswith("phi3.")}
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        dims = meta.get("rope.dimension_count")
+        if dims and heads and hidden:
+            out["partial_rotary_factor"] = dims / (hidden // heads)
+        out["sliding_window"] = meta.get("attention.sliding_window") or None
+        if "rope.scaling.original_context_length" in meta:
+            out["original_max_position_embeddings"] = meta["rope.scaling.original_context_length"]
+        if "rope_factors_short.weight" in self.tensors:
+            scaling: dict[str, object] = {"rope_type": "longrope"}
+            for field in ("short", "long"):
+                factors = self.tensor(f"rope_factors_{field}.weight").values()
+                scaling[f"{field}_factor"] = factors.tolist()
+            if "rope.scaling.attn_factor" in meta:
+                scaling["attention_factor"] = float(meta["rope.scaling.attn_factor"])
+            out["rope_scaling"] = scaling
+        return out
 
     def _gemma_config(self, config: dict[str, object]) -> dict[str, object]:
         """What a Gemma file implies beyond its keys: the attention scale (llama.cpp's rule),
@@ -198,6 +235,17 @@ class GgufFile:
         elif isinstance(pattern, int) and arch == "gemma3":
             out["sliding_window_pattern"] = pattern
         return out
+
+    def _check_olmo2(self) -> None:
+        """ValueError naming the key where an ``olmo2`` file is not plain OLMo 2: an OLMo 3 file
+        (sliding-window layers) or one with RoPE scaling (YaRN)."""
+        for key in _OLMO2_REFUSED_KEYS:
+            value = self.metadata.get(f"olmo2.{key}")
+            if value is not None and value != "none":
+                raise ValueError(
+                    f"{self.path.name}: GGUF key olmo2.{key}={value!r} is not supported (an OLMo 3 "
+                    "file, or RoPE scaling); specdec loads olmo2 files of OLMo 2 without it"
+                )
 
     def hf_config(self) -> object:
         """The transformers ``PretrainedConfig`` of :meth:`config_dict`."""

@@ -18,7 +18,9 @@ codes by one step); every other type (Q6_K, Q8_0, F16...) is dequantized, rounde
 dtype (the values a dense load would hold) and quantized by
 :func:`specdec.kernels.cpu_q4.quantize_q4`, and the loader warns naming which. For Llama, the q/k
 rows llama.cpp permutes for its RoPE are put back in Hugging Face order, as transformers' GGUF
-reader does. Norms, biases and the input embedding are dequantized (Gemma's norms, which
+reader does; for Phi-3 (``attn_qkv`` and ``ffn_up`` already fused as specdec's layers are),
+the q/k rows under partial RoPE go in specdec's channel order (:mod:`specdec.models.phi3`), as a
+dense load puts them. Norms, biases and the input embedding are dequantized (Gemma's norms, which
 llama.cpp stores as ``1 + w``, back to ``w``).
 """
 
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from specdec.kernels.cpu_q4 import pack_q4, quantize_q4
+from specdec.models import phi3
 from specdec.models.gguf_dense import hf_name
 from specdec.models.gguf_file import GgufFile, hf_row_order
 from specdec.models.llama import LlamaModel, ModelConfig
@@ -51,6 +54,8 @@ _PARTS = {
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
 }
+# Phi-3's (llama.cpp's phi3): q/k/v fused in attn_qkv and gate/up in ffn_up, as specdec's are.
+_PHI3_PARTS = {**_PARTS, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)}
 
 
 def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # [n, 18] uint8
@@ -147,9 +152,9 @@ def _q4_state(
             state[f"{module}.bias"] = torch.cat(bias).to(dtype).float()
 
     for i in range(cfg.num_layers):
-        for module, parts in _PARTS.items():
+        for module, parts in (_PHI3_PARTS if file.architecture == "phi3" else _PARTS).items():
             linear(f"layers.{i}.{module}", [f"blk.{i}.{part}.weight" for part in parts])
-    for name, tensor in file.tensors.items():  # every norm: 2 a layer (Gemma: 4, and q/k)
+    for name, tensor in file.tensors.items():  # every norm: 2 a layer (Gemma: 4), q/k norms
         if name.endswith("norm.weight"):
             values = _vector(tensor) - file.norm_shift  # Gemma's are stored as 1 + w
             state[hf_name(name, file.architecture).removeprefix("model.")] = values.to(dtype)
@@ -175,6 +180,10 @@ def _check_state(path: Path, state: Mapping[str, torch.Tensor], expected: Mappin
 
 def _part_sizes(cfg: ModelConfig, names: list[str]) -> list[int]:
     """Rows of each GGUF part (``names``) of one of specdec's linear modules, by the config."""
+    if ".attn_qkv." in names[0]:  # Phi-3's fused q/k/v; its ffn_up holds gate and up
+        return [(cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim]
+    if ".ffn_up." in names[0]:
+        return [2 * cfg.intermediate_size]
     if ".attn_q." in names[0]:
         return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
     if ".ffn_gate." in names[0]:
@@ -186,8 +195,11 @@ def _part_sizes(cfg: ModelConfig, names: list[str]) -> list[int]:
 
 def _row_order(cfg: ModelConfig, file: GgufFile, gguf_name: str, rows: int) -> torch.Tensor | None:
     """The file rows of a tensor's ``rows`` specdec rows (the q/k and their biases of a file
-    llama.cpp wrote as "llama", Mistral's included), or ``None`` where the file already has
+    llama.cpp wrote as "llama", Mistral's included; Phi-3's attn_qkv under partial RoPE,
+    :func:`~specdec.models.phi3.qkv_row_order`), or ``None`` where the file already has
     specdec's order."""
+    if cfg.phi3 is not None and ".attn_qkv." in gguf_name:
+        return phi3.qkv_row_order(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.phi3.rotary_dim)
     if not file.permutes_qk or not re.search(r"\.attn_[qk]\.", gguf_name):
         return None
     return hf_row_order(rows, cfg.num_heads if ".attn_q." in gguf_name else cfg.num_kv_heads)

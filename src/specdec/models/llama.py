@@ -1,10 +1,12 @@
 """Llama-family decoder (Llama, Llama 3, Qwen2, Qwen3, Mistral; Gemma 2 and Gemma 3 with the
-differences of :mod:`specdec.models.gemma`) over the paged KV cache.
+differences of :mod:`specdec.models.gemma`, OLMo 2 with those of :mod:`specdec.models.olmo2`,
+Phi-3 / Phi-4-mini with those of :mod:`specdec.models.phi3`) over the paged KV cache.
 
 Parameter names follow Hugging Face's except for two fusions that cut the number of matrix
 products per layer on small batches: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate
-and up stacked). :mod:`specdec.models.loading` maps checkpoints onto them. The model holds only
-weights: the KV pages, the attention plan and the backend arrive as arguments of ``forward``.
+and up stacked; Phi-3 checkpoints have them already). :mod:`specdec.models.loading` maps
+checkpoints onto them. The model holds only weights: the KV pages, the attention plan and the
+backend arrive as arguments of ``forward``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 from specdec.attention.layered import layer_plan
 from specdec.interfaces import AttentionBackend, AttentionSpec
 from specdec.kv.paged import KVSpec, ModelKV
-from specdec.models import config_checks, gemma
+from specdec.models import config_checks, gemma, olmo2, phi3
 from specdec.types import BatchLayout, ModelOutput
 
 __all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
@@ -33,6 +35,8 @@ class Architecture(enum.Enum):
     MISTRAL = "mistral"
     GEMMA2 = "gemma2"
     GEMMA3 = "gemma3_text"  # Gemma3ForCausalLM, text only (Gemma3TextConfig)
+    OLMO2 = "olmo2"
+    PHI3 = "phi3"  # Phi-3, Phi-3.5-mini, Phi-4-mini
 
 
 _ARCHITECTURES = {
@@ -42,6 +46,8 @@ _ARCHITECTURES = {
     "MistralForCausalLM": Architecture.MISTRAL,
     "Gemma2ForCausalLM": Architecture.GEMMA2,
     "Gemma3ForCausalLM": Architecture.GEMMA3,
+    "Olmo2ForCausalLM": Architecture.OLMO2,
+    "Phi3ForCausalLM": Architecture.PHI3,
 }
 
 
@@ -77,6 +83,12 @@ class ModelConfig:
     # Gemma 2 / Gemma 3: what their decoder does differently (sandwich norms, per-layer windows,
     # soft caps, ...: see specdec.models.gemma); None for the other families.
     gemma: gemma.GemmaTraits | None = None
+    # OLMo 2's decoder layer (see specdec.models.olmo2): norms after the attention and the MLP
+    # only, q/k normed over whole projections, float32 norms and RoPE; False for the others.
+    olmo2: bool = False
+    # Phi-3 / Phi-4-mini: partial RoPE (q/k channels reordered at load) and the field bounding
+    # the context (see specdec.models.phi3); None for the other families.
+    phi3: phi3.Phi3Traits | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> ModelConfig:
@@ -98,10 +110,15 @@ class ModelConfig:
             hf_config.hidden_size // hf_config.num_attention_heads
         )
         qkv_bias, o_bias, mlp_bias = config_checks.linear_biases(hf_config, arch.value)
+        phi = phi3.read_traits(hf_config, head_dim) if arch is Architecture.PHI3 else None
         if arch.value in gemma.FAMILIES:  # windows per layer; RoPE of the global layers
             traits, window = gemma.read_traits(hf_config, arch.value, head_dim), None
             hidden_act = config_checks.check_activation(hf_config, "hidden_activation")
             inv_freq, attention_scaling = gemma.layer_rope(hf_config, head_dim, "full_attention")
+        elif phi is not None:  # partial RoPE, longrope's short factors; one window on every layer
+            traits, window = None, phi3.sliding_window(hf_config)
+            hidden_act = config_checks.check_activation(hf_config)
+            inv_freq, attention_scaling = phi3.rope_parameters(hf_config, head_dim)
         else:
             traits, window = None, config_checks.uniform_window(hf_config, arch.value)
             hidden_act = config_checks.check_activation(hf_config)
@@ -123,7 +140,9 @@ class ModelConfig:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=hf_config.max_position_embeddings,
+            max_position_embeddings=hf_config.max_position_embeddings
+            if phi is None
+            else phi3.usable_context(hf_config),
             sliding_window=window,
             inv_freq=tuple(inv_freq.tolist()),
             rope_attention_scaling=float(attention_scaling),
@@ -131,7 +150,15 @@ class ModelConfig:
             hidden_act=hidden_act,
             qk_norm=arch in (Architecture.QWEN3, Architecture.GEMMA3),
             gemma=traits,
+            olmo2=arch is Architecture.OLMO2,
+            phi3=phi,
         )
+
+    @property
+    def context_field(self) -> str:
+        """The config field that bounds ``max_position_embeddings`` (for length errors): Phi-3's
+        longrope models run at most ``original_max_position_embeddings`` tokens."""
+        return "max_position_embeddings" if self.phi3 is None else self.phi3.context_field
 
     def kv_spec(self, name: str, dtype: torch.dtype) -> KVSpec:
         return KVSpec(
@@ -179,12 +206,15 @@ def apply_rope(
 def rope_tables(
     positions: torch.Tensor,  # [num_tokens] int64
     inv_freq: torch.Tensor,  # [head_dim // 2] float32
-    scale: float,  # the RoPE variant's attention scaling (1.0 for plain RoPE)
+    scale: float | torch.Tensor,  # the RoPE variant's attention scaling (1.0 for plain RoPE),
+    # or one per frequency [head_dim // 2] float32 (Phi-3's partial RoPE: 1 on the passed pairs)
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [num_tokens, 1, head_dim] in dtype
     """RoPE's cos/sin tables, computed in float32 (as transformers does) and cast to ``dtype``."""
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.float()  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
+    if isinstance(scale, torch.Tensor):
+        scale = torch.cat((scale, scale))
     return (emb.cos() * scale).to(dtype).unsqueeze(-2), (emb.sin() * scale).to(dtype).unsqueeze(-2)
 
 
@@ -240,7 +270,10 @@ class RMSNorm(nn.Module):
 
 
 def _norm(cfg: ModelConfig, size: int) -> nn.Module:
-    """The family's RMSNorm over ``size`` channels: Gemma's ``1 + weight`` one, or Llama's."""
+    """The family's RMSNorm over ``size`` channels: Gemma's ``1 + weight`` one, OLMo 2's
+    (float32 product), or Llama's."""
+    if cfg.olmo2:
+        return olmo2.Olmo2RMSNorm(size, cfg.rms_norm_eps)
     return RMSNorm(size, cfg.rms_norm_eps) if cfg.gemma is None else gemma.GemmaRMSNorm(size, cfg.rms_norm_eps)
 
 
@@ -299,7 +332,10 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _decoder_layer(cfg: ModelConfig) -> nn.Module:
-    """One decoder layer of the family: Gemma's sandwich-normed layer, or Llama's."""
+    """One decoder layer of the family: Gemma's sandwich-normed layer, OLMo 2's post-normed one,
+    or Llama's."""
+    if cfg.olmo2:
+        return olmo2.Olmo2DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, olmo2.Olmo2Attention(cfg), MLP(cfg))
     if cfg.gemma is None:
         return DecoderLayer(cfg)
     return gemma.GemmaDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg), MLP(cfg))
@@ -341,6 +377,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", torch.zeros(0), persistent=False)
         self.register_buffer("sliding_inv_freq", torch.zeros(0), persistent=False)  # Gemma 3
+        self.register_buffer("rope_pair_scaling", torch.zeros(0), persistent=False)  # Phi-3
         self.init_rope()
 
     def init_rope(self, device: torch.device | str | None = None) -> None:
@@ -350,6 +387,7 @@ class LlamaModel(nn.Module):
         self.inv_freq = torch.tensor(cfg.inv_freq, dtype=torch.float32, device=device)
         sliding = () if cfg.gemma is None else cfg.gemma.sliding_inv_freq or ()
         self.sliding_inv_freq = torch.tensor(sliding, dtype=torch.float32, device=device)
+        self.rope_pair_scaling = phi3.pair_scaling(cfg, device)  # [head_dim // 2] or empty
 
     @property
     def dtype(self) -> torch.dtype:
@@ -373,12 +411,16 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[num_tokens, 1, head_dim]`` in ``dtype`` (default: the model's), computed
         in float32."""
-        return rope_tables(positions, self.inv_freq, self.config.rope_attention_scaling, dtype or self.dtype)
+        pairs = self.rope_pair_scaling  # Phi-3's partial RoPE under longrope: not one number
+        scale = pairs if pairs.numel() else self.config.rope_attention_scaling
+        return rope_tables(positions, self.inv_freq, scale, dtype or self.dtype)
 
     def layer_ropes(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin (:meth:`rope`): Gemma 3's sliding layers have a RoPE of their
-        own; the tables are computed once per distinct RoPE."""
-        tables = self.rope(positions)
+        own; OLMo 2's are float32 (float64 kept), as transformers' are; the tables are computed
+        once per distinct RoPE."""
+        dtype = torch.promote_types(self.dtype, torch.float32) if self.config.olmo2 else None
+        tables = self.rope(positions, dtype)
         g = self.config.gemma
         if g is None or g.sliding_inv_freq is None:
             return [tables] * self.config.num_layers
@@ -416,10 +458,10 @@ class LlamaModel(nn.Module):
         if not layers or bad:
             raise ValueError(f"layers must be a non-empty tuple of ints in 0..{n}, got {layers!r}")
         # The fused ops compute SiLU-and-multiply (silu_mul, and inside the whole-stack
-        # kernel) and Llama's norms: a model of another activation, or Gemma's layers, runs
-        # its layers' own modules.
+        # kernel) and Llama's layer: a model of another activation, or Gemma's or OLMo 2's
+        # layers, runs its layers' own modules.
         lc = self.layer_config
-        fusable = lc.hidden_act in config_checks.SILU_NAMES and lc.gemma is None
+        fusable = lc.hidden_act in config_checks.SILU_NAMES and lc.gemma is None and not lc.olmo2
         ops = _fused_ops(embeds) if fusable else None
         if ops is None:
             wanted, h, states = set(layers), embeds, {}

@@ -18,6 +18,7 @@ import torch
 
 from specdec.disk_cache import packed_cache_max_bytes
 from specdec.kernels.cpu_linear import kernel_available
+from specdec.models import phi3
 from specdec.models.from_transformers import is_transformers_model, source_dir, transformers_tensors
 from specdec.models.gguf_dense import gguf_state
 from specdec.models.gguf_file import GgufFile
@@ -205,6 +206,8 @@ def model_from_state_dict(
             f"missing {missing[:5]}, incomplete {incomplete[:5]}, unexpected {unexpected[:5]}, "
             f"wrong shape (checkpoint != config) {misshapen[:5]}"
         )
+    if cfg.phi3 is not None:  # partial RoPE: q/k channels in the order specdec rotates them
+        phi3.arrange_qkv(state, model.layer_config)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

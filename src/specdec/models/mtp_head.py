@@ -122,9 +122,10 @@ class MTPModule(HeadModule):
 
     def __init__(self, target: LlamaModel, config: MTPModuleConfig) -> None:
         cfg = target.config
-        if cfg.gemma is not None:  # its layer is the target's kind, and Gemma's is not built here
+        if cfg.gemma is not None or cfg.olmo2:  # its layer is the target's kind: not built here
+            family = "OLMo 2" if cfg.olmo2 else "Gemma"
             raise ValueError(
-                f"MTP heads are not implemented for {cfg.architecture.value} targets (Gemma); "
+                f"MTP heads are not implemented for {cfg.architecture.value} targets ({family}); "
                 "use an EAGLE head (EAGLETree), a DraftModel or PromptLookup"
             )
         super().__init__(target, config, attrs.evolve(cfg, num_layers=1))
