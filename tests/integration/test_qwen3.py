@@ -386,3 +386,222 @@ def test_an_eagle_head_on_qwen3_is_a_llama_layer(checkpoint):
         layer = head.layer_config(target.config)
         assert not layer.qk_norm and layer.hidden_act == "silu"
     assert target.config.qk_norm
+
+
+# --- GGUF files as llama.cpp writes qwen3 (the gguf package) ------------------------------------
+
+_GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GGUF_EPS = 2.0**-20  # exact in float32: the file's eps is the config's, bit for bit
+GGUF_VARIANTS = {
+    "base": dict(seed=3, rms_norm_eps=GGUF_EPS),
+    "bias-tied": dict(
+        seed=4, rms_norm_eps=GGUF_EPS, attention_bias=True, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+    ),
+}  # fmt: skip
+
+
+def _gguf_name(hf_name: str) -> str:
+    import re
+
+    module, leaf = hf_name.rsplit(".", 1)
+    if module in _GGUF_TOP:
+        return f"{_GGUF_TOP[module]}.{leaf}"
+    layer, inner = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module).groups()
+    return f"blk.{layer}.{_GGUF_BLOCK[inner]}.{leaf}"
+
+
+def write_qwen3_gguf(path, model, qtype, *, key_length: bool = True, extra=None) -> None:
+    """``model`` (float32) as llama.cpp's convert_hf_to_gguf.py writes Qwen3 (``Qwen3Model``, a
+    ``Qwen2Model``): its tensor names, q/k rows as they are (no permutation: llama.cpp rotates
+    Qwen2/Qwen3 NeoX-style), the per-head q/k norms as ``attn_q_norm``/``attn_k_norm``,
+    ``head_dim`` as ``attention.key_length``/``value_length`` (``key_length=False``: a file
+    without them), 1-D tensors F32, no ``output.weight`` when tied. ``extra``: more keys
+    (``"qwen3.<key>"`` -> string)."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_name("tiny-qwen3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if key_length:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    for key, value in (extra or {}).items():
+        writer.add_string(key, value)
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    ftype = gguf.LlamaFileType.ALL_F32 if qtype == "f32" else gguf.LlamaFileType.MOSTLY_Q4_0
+    writer.add_file_type(ftype)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tensor_type = (
+        gguf.GGMLQuantizationType.F32 if qtype == "f32" else gguf.GGMLQuantizationType.Q4_0
+    )
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # llama.cpp writes no output.weight for tied embeddings
+        data = tensor.float().numpy()
+        if data.ndim == 1 or tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), data)
+        else:
+            blocks = gguf.quants.quantize(data, tensor_type)
+            writer.add_tensor(
+                _gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=tensor_type
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """(variant, "f32" | "q4_0") -> (GGUF file, safetensors directory of the same float32
+    weights, transformers' float64 model of them)."""
+    pytest.importorskip("gguf")
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def build(variant: str, qtype: str):
+        if (variant, qtype) not in cache:
+            source = make_qwen3(**GGUF_VARIANTS[variant]).float()
+            root = tmp_path_factory.mktemp(f"gguf-qwen3-{variant}-{qtype}")
+            write_qwen3_gguf(root / f"tiny-qwen3-{qtype}.gguf", source, qtype)
+            source.save_pretrained(root / "safetensors", safe_serialization=True)
+            cache[variant, qtype] = (
+                root / f"tiny-qwen3-{qtype}.gguf",
+                root / "safetensors",
+                source.double(),
+            )
+        return cache[variant, qtype]
+
+    return build
+
+
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_gguf_loads_as_its_safetensors(gguf_files, variant):
+    """An F32 qwen3 file: the config (head_dim 24 from attention.key_length, biases and tied
+    embeddings from its tensors) and the float64 logits of the safetensors load of the same
+    weights exactly, and transformers' within the float64 tolerance."""
+    path, safetensors, hf = gguf_files(variant, "f32")
+    model, _, _ = load_model(path, dtype="float64")
+    want, _, _ = load_model(safetensors, dtype="float64")
+    assert model.config.head_dim == 24 and model.config.qk_norm
+    assert model.config.qkv_bias == model.config.o_bias == (variant == "bias-tied")
+    assert model.config.tie_word_embeddings == (variant == "bias-tied")
+    # the file has no EOS key here: Qwen3Config's default fills it
+    assert attrs.evolve(model.config, eos_token_ids=()) == attrs.evolve(
+        want.config, eos_token_ids=()
+    )
+    ours, theirs = model.state_dict(), want.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    prompts = _prompts(4, seed=4, lengths=(4, 20))
+    reference = ragged_prefill_logits(want, prompts, page_size=4)
+    for p, a, b in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4), reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, hf_logits(hf, p), **HF_TOL)
+
+
+@pytest.mark.parametrize("control", ["permuted-qk", "no-qk-norms"])
+def test_gguf_negative_controls_disagree(gguf_files, monkeypatch, control):
+    """A loader that un-permutes the q/k rows as for llama files, or a model without the q/k
+    norms the file holds, leaves transformers far behind: the test above would catch either."""
+    from specdec.models.gguf_file import GgufFile
+
+    path, _, hf = gguf_files("base", "f32")
+    if control == "permuted-qk":
+        monkeypatch.setattr(GgufFile, "permutes_qk", property(lambda self: True))
+    model, _, _ = load_model(path, dtype="float64")
+    if control == "no-qk-norms":
+        _skip_qk_norms(model)
+    prompts = _prompts(4, seed=4, lengths=(4, 20))  # a 1-token prompt never sees q/k
+    errors = [
+        float((logits - hf_logits(hf, p)).abs().max())
+        for p, logits in zip(prompts, ragged_prefill_logits(model, prompts, page_size=4))
+    ]
+    assert min(errors) > 0.05, errors  # the tolerance above is 2e-5
+
+
+def test_gguf_without_key_length_takes_head_dim_from_the_q_rows(gguf_files, tmp_path):
+    """A file without attention.key_length: head_dim is the q rows per head (24), not
+    Qwen3Config's default (128)."""
+    import copy
+
+    _, safetensors, hf = gguf_files("base", "f32")
+    path = tmp_path / "no-key-length.gguf"
+    write_qwen3_gguf(path, copy.deepcopy(hf).float(), "f32", key_length=False)
+    model, _, _ = load_model(path, dtype="float64")
+    want, _, _ = load_model(safetensors, dtype="float64")
+    assert attrs.evolve(model.config, eos_token_ids=()) == attrs.evolve(
+        want.config, eos_token_ids=()
+    )
+
+
+def test_gguf_q4_keeps_the_files_codes(gguf_files, kernel, monkeypatch):
+    """``quantization="q4"`` of a Q4_0 qwen3 file, read tensor by tensor: every linear layer is
+    the file's codes (its dequantized weight is the dense load's exactly, q/k rows unpermuted),
+    the norms (q/k norms included) are the dense load's bit for bit, and speculative greedy
+    decoding on it equals its plain decoding."""
+    from specdec.models.gguf_file import GgufFile
+
+    path, _, _ = gguf_files("base", "q4_0")
+    q4, _, _ = load_model(path, quantization="q4")
+    dense32, _, _ = load_model(path, dtype="float32", pack=False)
+    linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for i in range(TINY["num_hidden_layers"]):
+        for name in linears:
+            ours = q4.layers[i].get_submodule(name)
+            assert isinstance(ours, Q4Linear)
+            want = dense32.layers[i].get_submodule(name).weight
+            torch.testing.assert_close(ours.dequantized(), want, rtol=0, atol=0)
+    assert isinstance(q4.lm_head, Q4Linear)
+    torch.testing.assert_close(q4.lm_head.dequantized(), dense32.lm_head.weight, rtol=0, atol=0)
+    dense, _, _ = load_model(path, dtype="bfloat16", pack=False)
+    norms = {n: t for n, t in dense.state_dict().items() if n.endswith("norm.weight")}
+    assert len(norms) == 4 * TINY["num_hidden_layers"] + 1
+    q4_state = q4.state_dict()
+    assert all(torch.equal(q4_state[n], t) for n, t in norms.items())
+    prompts = _prompts(3, seed=6, lengths=(4, 16))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = Generator.from_components(q4).generate(prompts, params)
+    spec = Generator.from_components(q4, proposer=DraftModel.from_model(dense), policy=3)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert spec.metrics.num_accepted > 0
+    # the control: q/k rows un-permuted as for llama files are not the dense load's rows
+    monkeypatch.setattr(GgufFile, "permutes_qk", property(lambda self: True))
+    permuted, _, _ = load_model(path, quantization="q4")
+    qkv = permuted.layers[0].self_attn.qkv_proj.dequantized()
+    assert not torch.equal(qkv, dense32.layers[0].self_attn.qkv_proj.weight)
+
+
+def test_gguf_rope_scaled_files_are_refused(tmp_path):
+    """llama.cpp writes Qwen3's YaRN scaling as keys this reader does not map: refused, naming
+    the key, rather than rotated unscaled."""
+    pytest.importorskip("gguf")
+    from specdec.models.gguf_file import GgufFile
+
+    metadata = {"general.architecture": "qwen3", "qwen3.rope.scaling.type": "yarn"}
+    file = GgufFile(tmp_path / "yarn.gguf", metadata, {})
+    with pytest.raises(
+        ValueError, match=r"yarn.gguf: GGUF key qwen3.rope.scaling.type='yarn' is not"
+    ):
+        file.config_dict()

@@ -61,8 +61,15 @@ _OLMO2_BLOCK_NAMES = {
 # Phi-3's blocks (llama.cpp's phi3): q/k/v fused in attn_qkv, gate and up in ffn_up, as in the
 # Hugging Face checkpoint (and specdec's own layers).
 _PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Qwen3's blocks (llama.cpp's qwen3): Llama's plus the per-head q/k norms (weights of head_dim).
+_QWEN3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 _FAMILY_BLOCK_NAMES = {
     "gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "olmo2": _OLMO2_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES,
+    "qwen3": _QWEN3_BLOCK_NAMES,
 }  # fmt: skip
 # Tensors a Hugging Face model has no place for: Llama 3's RoPE frequency factors (transformers'
 # GGUF reader drops them too; the rotary frequencies come from the config) and Phi-3's longrope
@@ -72,8 +79,8 @@ _DROPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     """``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight`` (``architecture``:
-    the file's, which decides Gemma's and OLMo 2's norm names); a name of neither table comes back as it is
-    (the model's loader then reports it as unexpected).
+    the file's, which decides Gemma's, OLMo 2's and Qwen3's norm names); a name of neither table
+    comes back as it is (the model's loader then reports it as unexpected).
 
     >>> hf_name("blk.3.ffn_down.weight"), hf_name("output_norm.weight")
     ('model.layers.3.mlp.down_proj.weight', 'model.norm.weight')
@@ -81,6 +88,8 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str:
     'model.layers.0.pre_feedforward_layernorm.weight'
     >>> hf_name("blk.0.post_ffw_norm.weight", "olmo2")
     'model.layers.0.post_feedforward_layernorm.weight'
+    >>> hf_name("blk.1.attn_k_norm.weight", "qwen3")
+    'model.layers.1.self_attn.k_norm.weight'
     """
     blocks = _FAMILY_BLOCK_NAMES.get(architecture, _BLOCK_NAMES)
     module, _, leaf = gguf_name.rpartition(".")

@@ -18,6 +18,9 @@ also reads what llama.cpp writes and transformers' reader skips (the soft caps, 
 linear RoPE scaling and layer pattern) and sets the attention scale by llama.cpp's rule
 (:meth:`GgufFile._gemma_config`). For Phi-3 it reads what transformers' reader skips: partial
 RoPE, longrope (its factors are tensors of the file) and the window (:meth:`GgufFile._phi3_config`).
+For Qwen3 (dense) it reads ``head_dim`` from ``attention.key_length`` and attention biases from
+the tensors (:meth:`GgufFile._qwen3_config`); its q/k rows are stored unpermuted, as Qwen2's
+(llama.cpp rotates both NeoX-style), and its per-head q/k norms as they are.
 
 Example::
 
@@ -64,7 +67,8 @@ _TOKEN_KEYS = {
     "tokenizer.ggml.unknown_token_id": "unk_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
-_ARCHITECTURES = ("llama", "qwen2", "gemma2", "gemma3", "olmo2", "phi3")  # Mistral: as "llama"
+# Mistral is written as "llama".
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3")
 # Gemma's keys beside _CONFIG_KEYS: transformers' GGUF_CONFIG_MAPPING for gemma2 and gemma3, plus
 # the soft caps llama.cpp's converter writes (transformers' reader skips them and falls back on
 # Gemma2Config's defaults, 50 and 30, which are also the released checkpoints' values).
@@ -82,6 +86,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp writes OLMo 3 as "olmo2" too, with its sliding-window layers, and OLMo 2's YaRN RoPE
 # scaling as keys this reader does not map: files with these keys are refused.
 _OLMO2_REFUSED_KEYS = ("attention.sliding_window", "attention.sliding_window_pattern", "rope.scaling.type")
+# llama.cpp writes Qwen3's YaRN RoPE scaling (long-context configs) as keys this reader does not
+# map: such files are refused rather than rotated unscaled.
+_QWEN3_REFUSED_KEYS = ("rope.scaling.type",)
 
 
 @attrs.frozen(eq=False)
@@ -170,6 +177,9 @@ class GgufFile:
         if self.architecture == "olmo2":
             self._check_olmo2()
             keys["attention.key_length"] = "head_dim"
+        if self.architecture == "qwen3":
+            self._check_qwen3()
+            keys["attention.key_length"] = "head_dim"
         config: dict[str, object] = {"model_type": self.model_type}
         for key, name in keys.items():
             if f"{self.architecture}.{key}" in self.metadata:
@@ -184,7 +194,31 @@ class GgufFile:
             config.update(self._gemma_config(config))
         if self.architecture == "phi3":
             config.update(self._phi3_config(config))
+        if self.architecture == "qwen3":
+            config.update(self._qwen3_config(config))
         return config
+
+    def _qwen3_config(self, config: dict[str, object]) -> dict[str, object]:
+        """What a Qwen3 file implies beyond its keys. ``head_dim`` is ``attention.key_length``
+        (llama.cpp's converter writes the config's ``head_dim`` there); a file without it gets the
+        q rows per head of ``blk.0.attn_q`` (Qwen3Config's own default, 128, is only a default).
+        ``attention_bias`` is whether the file has ``blk.0.attn_q.bias`` (released Qwen3 models
+        have none; llama.cpp's converter writes whatever the checkpoint holds)."""
+        out: dict[str, object] = {"attention_bias": "blk.0.attn_q.bias" in self.tensors}
+        heads, q = config.get("num_attention_heads"), self.tensors.get("blk.0.attn_q.weight")
+        if "head_dim" not in config and heads and q is not None and len(q.shape) == 2:
+            out["head_dim"] = int(q.shape[1]) // int(heads)  # GGUF order: [inputs, rows]
+        return out
+
+    def _check_qwen3(self) -> None:
+        """ValueError naming the key where a ``qwen3`` file has RoPE scaling (YaRN)."""
+        for key in _QWEN3_REFUSED_KEYS:
+            value = self.metadata.get(f"qwen3.{key}")
+            if value is not None and value != "none":
+                raise ValueError(
+                    f"{self.path.name}: GGUF key qwen3.{key}={value!r} is not supported (RoPE "
+                    "scaling); specdec loads qwen3 files without it"
+                )
 
     def _phi3_config(self, config: dict[str, object]) -> dict[str, object]:
         """What a Phi-3 file says beyond the common keys, as llama.cpp's converter writes it
