@@ -947,3 +947,26 @@ def test_one_unlucky_first_tree_step_does_not_price_the_size_at_zero():
     for _ in range(200):
         sizer.observe_verify(0, 16, 3)
     assert sizer.accepted(16) == pytest.approx(3.0, rel=1e-6)
+
+
+def test_a_request_s_failing_small_trees_do_not_price_its_large_trees_off():
+    """SuffixHybrid's small trees are suffix trees and its large ones the draft model's: a
+    request whose suffix trees keep failing (fresh text) still drafts the model's trees, which
+    the generator has measured to pay. One ratio per request over every size (the old rule)
+    sank the large size's estimate with the small one's failures."""
+    sizer = TreeSizer(decay=0.9, cost_decay=0.8, prior_accepted=1.0)
+    for _ in range(20):
+        sizer.observe_verify(0, 4, 3)  # another request: the model's trees keep 3 of 4
+    for _ in range(20):
+        sizer.observe_verify(1, 1, 0)  # this one: its one-node suffix trees keep nothing
+    assert sizer.accepted(1, seq_id=1) < 0.2
+    assert sizer.accepted(4, seq_id=1) == pytest.approx(sizer.accepted(4), rel=1e-6)
+
+
+def test_a_size_s_first_step_does_not_move_the_request_s_ratio():
+    """A size's first step was priced with the next size's length as a stand-in; missing it
+    says nothing about the request."""
+    sizer = TreeSizer(decay=0.9, cost_decay=0.8, prior_accepted=1.0)
+    sizer.observe_verify(0, 4, 3)
+    sizer.observe_verify(1, 2, 0)  # bucket 1's first step, expected 3 (bucket 2's stand-in)
+    assert sizer.accepted(2, seq_id=1) == pytest.approx(sizer.accepted(2))

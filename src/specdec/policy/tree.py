@@ -11,7 +11,8 @@ it on its own curve and :meth:`TreeSizer.choose` adds each open request's catch-
 the steps the request has left, to the time of every tree size.
 
 :class:`TreeSizer` learns ``A(n)`` per power-of-two bucket of ``n`` (decayed means, with each
-request's own ratio to the generator-wide means, shrunk toward 1) and the drafting cost, and
+request's own ratio to the generator-wide mean per bucket, shrunk toward 1: a proposer's small
+and large trees may come from different sources, as SuffixHybrid's do) and the drafting cost, and
 picks the size with the best expected tokens per second for the batch, the target pass priced
 by the policy's :class:`~specdec.policy.cost_model.CostCurve` and the drafting by a cost curve
 per size bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Cold start: an
@@ -52,7 +53,8 @@ class TreeSizer:
         # of n nodes is grown to depth min(depth, n) only).
         self.draft_costs: dict[int, CostCurve] = {}
         self._accepted: dict[int, list[float]] = {}  # bucket -> [decayed sum, decayed count]
-        self._ratio: dict[int, list[float]] = {}  # seq_id -> [decayed accepted, decayed expected]
+        # (seq_id, bucket) -> [decayed accepted, decayed expected]
+        self._ratio: dict[tuple[int, int], list[float]] = {}
         self._off_run = 0  # consecutive steps with trees off
         self._on_run = 0  # consecutive steps with trees on
 
@@ -83,13 +85,18 @@ class TreeSizer:
             else:
                 below = [t / c for b, (t, c) in self._accepted.items() if b < bucket]
                 value = max([self.prior_accepted, *below])
-        return value * self._request_ratio(seq_id)
+        return value * self._request_ratio(seq_id, bucket)
 
-    def _request_ratio(self, seq_id: int | None) -> float:
-        if seq_id is None or seq_id not in self._ratio:
+    def _request_ratio(self, seq_id: int | None, bucket: int) -> float:
+        """The request's accepted / expected at this size bucket (one pseudo-step at the
+        generator's rate). Per bucket, not per request: SuffixHybrid's small trees are suffix
+        trees (free to draft, so they win where few nodes are allowed) and its large ones the
+        draft model's; one ratio over both once let a fresh prompt's failing suffix trees price
+        the draft model's trees off too."""
+        if seq_id is None or (seq_id, bucket) not in self._ratio:
             return 1.0
-        got, expected = self._ratio[seq_id]
-        return (got + 1.0) / (expected + 1.0)  # one pseudo-step at the generator's rate
+        got, expected = self._ratio[seq_id, bucket]
+        return (got + 1.0) / (expected + 1.0)
 
     def draft_seconds(self, n: int, drafting: int) -> float:
         """Seconds of growing ``drafting`` trees of ``n`` nodes; unmeasured sizes cost what the
@@ -163,16 +170,25 @@ class TreeSizer:
             return
         expected = self.accepted(num_drafted)  # the generator-wide estimate, before this step
         bucket = int(math.log2(num_drafted))
+        measured = bucket in self._accepted
         # A new bucket starts from one pseudo-step at the prior, which fades like any step: one
         # unlucky first step (nothing accepted) would otherwise price the size at zero and
         # keep it off until a probe.
         total, count = self._accepted.get(bucket, (self.prior_accepted, 1.0))
         self._accepted[bucket] = [self.decay * total + num_accepted, self.decay * count + 1.0]
-        got, exp = self._ratio.get(seq_id, (0.0, 0.0))
-        self._ratio[seq_id] = [self.decay * got + num_accepted, self.decay * exp + expected]
+        if not measured:
+            # The size's first step: ``expected`` was the optimistic stand-in (the next size
+            # up's length), not an estimate, and the request is not worse for missing it. A
+            # proposer whose small trees come from another source than its large ones
+            # (SuffixHybrid: suffix trees are cheap, so they win the small sizes) once sank
+            # the request's ratio this way and priced every size, the good ones too, off.
+            return
+        got, exp = self._ratio.get((seq_id, bucket), (0.0, 0.0))
+        self._ratio[seq_id, bucket] = [self.decay * got + num_accepted, self.decay * exp + expected]
 
     def release(self, seq_id: int) -> None:
-        self._ratio.pop(seq_id, None)
+        for key in [key for key in self._ratio if key[0] == seq_id]:
+            del self._ratio[key]
 
 
 def _spread(catchup_s: float, remaining: int, per_step: float) -> float:
