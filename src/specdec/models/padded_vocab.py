@@ -65,12 +65,14 @@ def check_padded_vocab(
             head + f"which needs both models' tokenizers to check, and {' and '.join(missing)} "
             f"{'have' if len(missing) > 1 else 'has'} none "
             "(DraftModel.from_pretrained reads the draft's from its directory, DraftModel.from_model "
-            "takes tokenizer=; the target's is the Generator's)"
+            "takes tokenizer=; the target's is the Generator's); a draft of another tokenizer "
+            "drafts through text: specdec.proposers.CrossTokenizerDraft"
         )
     if not same_tokenizer(draft_tokenizer, target_tokenizer):
         raise ValueError(
             head + f"but the draft's tokenizer ({len(draft_tokenizer)} tokens) is not the target's "
-            f"({len(target_tokenizer)} tokens)"
+            f"({len(target_tokenizer)} tokens); a draft of another tokenizer drafts through text: "
+            "specdec.proposers.CrossTokenizerDraft"
         )
     size = len(target_tokenizer)
     if size > min(draft_rows, target_rows):
