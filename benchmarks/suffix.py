@@ -12,7 +12,9 @@ rotates from request to request, so the drift of a shared machine hits all):
 Systems: ``plain``; ``lookup`` (prompt lookup, k = 4); ``suffix`` (SuffixDecoding, trees of at
 most 16 nodes, fixed k); ``draft`` (Qwen2.5-Coder-0.5B-Instruct, int8, k = 4); ``hybrid``
 (SuffixHybrid: per request and step the suffix tree or the draft's chain, chosen by its cost
-rule; a ``mixed (all requests)`` row sums both workloads). Each keeps its
+rule; a ``mixed (all requests)`` row sums both workloads); ``controller`` (the same hybrid under
+the default AdaptivePolicy, which sizes its trees per step, 0 = plain, instead of a fixed 16:
+what a user gets without tuning). Each keeps its
 own generator for the whole run, so suffix decoding's global index holds that system's earlier
 answers, as it would in a server. Every output must equal plain's. Reported per workload and
 system: seconds, tokens/s, speed-up over plain, acceptance (accepted / drafted) and tokens per
@@ -36,7 +38,7 @@ import torch
 
 from benchmarks.common import machine_info, write_json
 
-SYSTEMS = ("plain", "lookup", "suffix", "draft", "hybrid")
+SYSTEMS = ("plain", "lookup", "suffix", "draft", "hybrid", "controller")
 
 
 def humaneval_problems() -> list[dict]:
@@ -76,18 +78,24 @@ def build_systems(args) -> dict:
     plain = Generator.from_pretrained(resolve_model(args.target), dtype="bfloat16", cache_config=cache)
     draft = DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
                                        dtype="bfloat16", quantization="int8")  # fmt: skip
-    hybrid_draft = DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
-                                              dtype="bfloat16", quantization="int8")  # fmt: skip
+    hybrid_draft, controller_draft = (
+        DraftModel.from_pretrained(resolve_model(args.draft), num_speculative_tokens=4,
+                                   dtype="bfloat16", quantization="int8")
+        for _ in range(2)
+    )  # fmt: skip
     proposers = {
         "lookup": (PromptLookup(num_speculative_tokens=4), 4),
         "suffix": (SuffixDecoding(num_speculative_tokens=16), 16),
         "draft": (draft, 4),
         # Per request and step: the suffix tree (up to 16 nodes) or the draft's chain (up to 4).
         "hybrid": (SuffixHybrid(hybrid_draft, SuffixDecoding(num_speculative_tokens=16)), 16),
+        # The same, sized per step by the default AdaptivePolicy (k = None).
+        "controller": (SuffixHybrid(controller_draft, SuffixDecoding(num_speculative_tokens=16)), None),
     }
     systems = {"plain": plain}
     for name, (proposer, k) in proposers.items():
-        systems[name] = plain.with_proposer(proposer, cache_config=cache, policy=FixedPolicy(k))
+        policy = None if k is None else FixedPolicy(k)  # None: the generator's default
+        systems[name] = plain.with_proposer(proposer, cache_config=cache, policy=policy)
     return systems
 
 
@@ -180,7 +188,8 @@ def run(args) -> dict:
         "target": args.target,
         "draft": f"{args.draft} (int8)",
         "settings": {"lookup": "k=4", "suffix": "SuffixDecoding(16), FixedPolicy(16)", "draft": "k=4",
-                     "hybrid": "SuffixHybrid(draft k=4, SuffixDecoding(16)), FixedPolicy(16)"},
+                     "hybrid": "SuffixHybrid(draft k=4, SuffixDecoding(16)), FixedPolicy(16)",
+                     "controller": "SuffixHybrid(draft k=4, SuffixDecoding(16)), AdaptivePolicy()"},
         "summary": summarize(records),
         "requests": records,
     }
