@@ -53,10 +53,12 @@ def ragged_prefill_logits(model, prompts: list[list[int]], page_size: int = 4) -
     return list(out.logits.split([len(p) for p in prompts]))
 
 
-def random_prompts(vocab: int, n: int, seed: int, max_len: int = 30) -> list[list[int]]:
-    """``n`` seeded random token-id prompts of lengths 1..max_len - 1."""
+def random_prompts(
+    vocab: int, n: int, seed: int, max_len: int = 30, min_len: int = 1
+) -> list[list[int]]:
+    """``n`` seeded random token-id prompts of lengths min_len..max_len - 1."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len, (n,), generator=g).tolist()
+    lengths = torch.randint(min_len, max_len, (n,), generator=g).tolist()
     return [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
@@ -253,3 +255,20 @@ def bf16_reference(hf):
 def bf16_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Max |ours - ref| relative to the reference's logit range (bf16 noise is ~1%)."""
     return float((ours.float() - ref.float()).abs().max() / (ref.max() - ref.min()))
+
+
+def cpu_prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Every row's logits of a ragged prefill through the CPU backend (its attention kernel)."""
+    from specdec.attention.cpu_backend import CpuAttentionBackend
+    from specdec.kv.allocator import PageAllocator
+    from specdec.kv.paged import KVCacheManager
+
+    manager = KVCacheManager(PageAllocator(256), 4)
+    kv = manager.add_pool(model.kv_spec("target"), "cpu")
+    for i, p in enumerate(prompts):
+        manager.add_sequence(i)
+        manager.reserve(i, len(p))
+    backend = CpuAttentionBackend()
+    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
+    out = model(layout, kv, backend, backend.plan(layout, model.attention_spec))
+    return list(out.logits.split([len(p) for p in prompts]))  # each [len(p), vocab]

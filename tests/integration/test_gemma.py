@@ -26,15 +26,15 @@ import torch
 from helpers import (
     bf16_error,
     bf16_reference,
+    cpu_prefill_logits,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
+    random_prompts,
     record_drafts,
 )
 
 from specdec import Generator, SamplingParams
-from specdec.attention import CpuAttentionBackend
-from specdec.kv import KVCacheManager, PageAllocator
 from specdec.models import gemma, llama
 from specdec.models.llama import Architecture, ModelConfig, rms_norm
 from specdec.models.loading import load_model, model_from_state_dict
@@ -114,22 +114,10 @@ def checkpoint(tmp_path_factory):
 
 
 def _prompts(n: int, seed: int, lengths: tuple[int, int] = (8, 21)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    sizes = torch.randint(*lengths, (n,), generator=g).tolist()
-    return [torch.randint(0, TINY["vocab_size"], (s,), generator=g).tolist() for s in sizes]
+    return random_prompts(TINY["vocab_size"], n, seed, max_len=lengths[1], min_len=lengths[0])
 
 
-def _cpu_prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every row's logits of a ragged prefill through the CPU backend (its attention kernel)."""
-    manager = KVCacheManager(PageAllocator(256), 4)
-    kv = manager.add_pool(model.kv_spec("target"), "cpu")
-    for i, p in enumerate(prompts):
-        manager.add_sequence(i)
-        manager.reserve(i, len(p))
-    backend = CpuAttentionBackend()
-    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
-    out = model(layout, kv, backend, backend.plan(layout, model.attention_spec))
-    return list(out.logits.split([len(p) for p in prompts]))
+_cpu_prefill_logits = cpu_prefill_logits
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

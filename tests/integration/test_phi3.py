@@ -34,6 +34,7 @@ import torch
 from helpers import (
     bf16_error,
     bf16_reference,
+    cpu_prefill_logits,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -42,8 +43,6 @@ from helpers import (
 )
 
 from specdec import CacheConfig, Generator, SamplingParams
-from specdec.attention import CpuAttentionBackend
-from specdec.kv import KVCacheManager, PageAllocator
 from specdec.models import config_checks, llama, phi3
 from specdec.models.llama import Architecture, ModelConfig
 from specdec.models.loading import load_model, model_from_state_dict
@@ -130,17 +129,7 @@ def _prompts(n: int, seed: int, lengths: tuple[int, int] = (8, 21)) -> list[list
     return [torch.randint(3, TINY["vocab_size"], (s,), generator=g).tolist() for s in sizes]
 
 
-def _cpu_prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Every row's logits of a ragged prefill through the CPU backend (its attention kernel)."""
-    manager = KVCacheManager(PageAllocator(256), 4)
-    kv = manager.add_pool(model.kv_spec("target"), "cpu")
-    for i, p in enumerate(prompts):
-        manager.add_sequence(i)
-        manager.reserve(i, len(p))
-    backend = CpuAttentionBackend()
-    layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
-    out = model(layout, kv, backend, backend.plan(layout, model.attention_spec))
-    return list(out.logits.split([len(p) for p in prompts]))
+_cpu_prefill_logits = cpu_prefill_logits
 
 
 def _long_inv_freq(hf_config, head_dim: int = 16) -> tuple[float, ...]:
