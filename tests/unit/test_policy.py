@@ -734,6 +734,23 @@ def test_trees_are_switched_off_where_they_cannot_pay_and_probed_later():
     assert choices[-1] == 16  # a probe after probe_after steps off
 
 
+def test_a_tree_probe_at_batch_four_drafts_for_one_request_only():
+    """The request with the least to catch up on probes alone: a probe of every request (4 x 17
+    verify rows, 4 catch-ups) costs several plain steps where trees do not pay."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(4))
+    flat_then_linear(policy)
+    for n in (1, 2, 4, 8, 16):
+        policy.observe_propose(4, n, 0.150, unseen=0)
+        for _ in range(10):
+            policy.observe_verify(0, n, 0.5)
+    ctx = SpeculationContext(seq_ids=(0, 1, 2, 3), params=(GREEDY,) * 4, caps=(16, 16, 0, 16),
+                             unseen=(9, 5, 1, 7), max_k=16, kind=ProposalKind.TREE)  # fmt: skip
+    choices = [policy.choose(ctx) for _ in range(policy.trees.probe_after + 1)]
+    assert set(choices[:-1]) == {(0, 0, 0, 0)}
+    assert choices[-1] == (0, 16, 0, 0)  # request 2 has no budget left
+
+
 def test_a_policy_keeping_trees_on_re_measures_a_plain_step_now_and_then():
     policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
     policy.choose(tree_context(1))

@@ -19,8 +19,8 @@ per size bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Co
 unmeasured size is priced optimistically (the accepted length of the nearest measured size above
 it, or a prior; the drafting cost of the nearest measured size below), so each is tried once
 before measurements decide. Measurements of the road not taken go stale, so after
-``probe_after`` steps with trees off the whole tree is tried once, and after ``probe_after``
-steps with trees on one plain step re-measures the plain cost.
+``probe_after`` steps with trees off the whole tree is tried once (by one request), and after
+``probe_after`` steps with trees on one plain step re-measures the plain cost.
 
 Example:
     >>> sizer = TreeSizer(decay=0.9, cost_decay=0.8)
@@ -152,12 +152,21 @@ class TreeSizer:
         if best_n == 0:
             self._off_run, self._on_run = self._off_run + 1, 0
             if self._off_run > self.probe_after:  # look again: the workload may have changed
-                best_n, self._off_run = ctx.max_k, 0
+                self._off_run = 0
+                return self._probe(ctx, open_)
         else:
             self._on_run, self._off_run = self._on_run + 1, 0
             if self._on_run > self.probe_after:  # re-measure a plain step
                 best_n, self._on_run = 0, 0
         return tuple(best_n if o else 0 for o in open_)
+
+    @staticmethod
+    def _probe(ctx: SpeculationContext, open_: list[bool]) -> tuple[int, ...]:
+        """The whole tree for one open request, the one with the least to catch up on: a probe
+        of every request at batch 16 verified 16 x 17 rows and caught the draft model up on
+        every request's tokens (each such step cost several plain ones)."""
+        first = min((r for r, o in enumerate(open_) if o), key=lambda r: ctx.unseen[r])
+        return tuple(ctx.max_k if r == first else 0 for r in range(len(open_)))
 
     # ------------------------------------------------------------------ observing
     def observe_propose(self, batch: int, n: int, seconds: float) -> None:
