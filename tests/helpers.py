@@ -272,3 +272,22 @@ def cpu_prefill_logits(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     layout = kv.layout(list(range(len(prompts))), prompts, [0] * len(prompts))
     out = model(layout, kv, backend, backend.plan(layout, model.attention_spec))
     return list(out.logits.split([len(p) for p in prompts]))  # each [len(p), vocab]
+
+
+def assert_greedy_as_transformers(target, hf, drafts, k: int, prompts, new_tokens: int,
+                                  *, expect_accepted: bool) -> None:  # fmt: skip
+    """Greedy output of ``target`` (with ``drafts``, at fixed ``k``, or plain) equals
+    transformers' greedy on every prompt; with drafts, verify passes ran (and drafts were
+    accepted where ``expect_accepted``); every KV page is free afterwards."""
+    from specdec import Generator, SamplingParams
+
+    drafted = record_drafts(drafts) if drafts is not None else None
+    gen = Generator.from_components(target, proposer=drafts, policy=k if drafts else None)
+    outs = gen.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, p, new_tokens)
+    if drafts is not None:
+        assert drafted and gen.metrics.num_verify_steps > 0  # verify passes of several rows ran
+    if expect_accepted:
+        assert gen.metrics.num_accepted > 0
+    assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]

@@ -24,6 +24,7 @@ import attrs
 import pytest
 import torch
 from helpers import (
+    assert_greedy_as_transformers,
     bf16_error,
     bf16_reference,
     cpu_prefill_logits,
@@ -31,7 +32,6 @@ from helpers import (
     hf_logits,
     ragged_prefill_logits,
     random_prompts,
-    record_drafts,
 )
 
 from specdec import Generator, SamplingParams
@@ -253,18 +253,10 @@ def test_greedy_generation_matches_transformers(checkpoint, family, proposer):
     elif proposer == "eagle-tree":
         drafts = EAGLETree.from_model(_random_eagle3_head(target), None)  # a dynamic tree
         k = drafts.num_speculative_tokens
-    drafted = record_drafts(drafts) if drafts is not None else None
-    gen = Generator.from_components(target, proposer=drafts, policy=k if drafts else None)
     prompts = _prompts(5, seed=2, lengths=(6, 16))
     prompts[0] = prompts[0][:3] * 4  # repeats: prompt lookup has something to find
-    outs = gen.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    for p, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(hf, p, NEW_TOKENS)
-    if drafts is not None:
-        assert drafted and gen.metrics.num_verify_steps > 0  # verify passes of several rows ran
-    if proposer in ("draft-model", "eagle-tree"):
-        assert gen.metrics.num_accepted > 0
-    assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+    assert_greedy_as_transformers(target, hf, drafts, k, prompts, NEW_TOKENS,
+                                  expect_accepted=proposer in ("draft-model", "eagle-tree"))  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
