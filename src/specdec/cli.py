@@ -44,6 +44,13 @@ def _add_max_model_len_arg(p: argparse.ArgumentParser, default: str = "the model
                    "request is an error, never cut short")
 
 
+def _add_model_impl_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                   help="auto (default): a native family natively, any other transformers causal LM on "
+                   "the transformers adapter (exact, slower); native: refuse others; transformers: "
+                   "always the adapter (docs/models.md)")
+
+
 def _add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="dtype of the weights (default bfloat16)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -307,6 +314,7 @@ def _add_generate(gen: argparse.ArgumentParser, registry: ProposerRegistry) -> N
         "with its own output, which speculation reproduces exactly)",
     )
     _add_max_model_len_arg(gen)
+    _add_model_impl_arg(gen)
     _add_threads_arg(gen)
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
     _add_sampling_args(gen)
@@ -340,6 +348,7 @@ def _add_serve(serve: argparse.ArgumentParser, registry: ProposerRegistry) -> No
     _add_device_args(serve)
     serve.add_argument("--quantization", choices=("int8", "q4"), default=None,
                        help="store the target's linear layers as int8 or 4-bit (CPU)")
+    _add_model_impl_arg(serve)
     _add_threads_arg(serve)
     _add_proposer_args(serve, registry)
 
@@ -591,6 +600,7 @@ def _generate(args: argparse.Namespace, registry: ProposerRegistry, selection: _
     gen = Generator.from_pretrained(
         args.target, proposer=proposer, dtype=args.dtype, device=args.device, policy=policy,
         quantization=args.quantization, cache_config=CacheConfig(max_model_len=args.max_model_len),
+        model_impl=args.model_impl,
     )  # fmt: skip
     start = time.perf_counter()
     if args.stream:  # each prompt in turn, its text as it comes
@@ -637,7 +647,7 @@ def _serve(args: argparse.Namespace, registry: ProposerRegistry, selection: _Sel
     policy = proposer.num_speculative_tokens if proposer is not None and args.policy == "fixed" else None
     gen = Generator.from_pretrained(args.model, proposer=proposer, dtype=args.dtype, device=args.device,
                                     policy=policy, quantization=args.quantization,
-                                    cache_config=CacheConfig(**cache))  # fmt: skip
+                                    cache_config=CacheConfig(**cache), model_impl=args.model_impl)  # fmt: skip
     serve(gen, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

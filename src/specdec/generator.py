@@ -30,8 +30,9 @@ from specdec.handle import RequestHandle
 from specdec.interfaces import AttentionBackend, Proposer, SpeculationPolicy, Verifier
 from specdec.metrics import SpecMetrics
 from specdec.models.from_transformers import generation_eos_ids, is_transformers_model
+from specdec.models.hf_adapter import TransformersAdapter
 from specdec.models.llama import LlamaModel
-from specdec.models.loading import load_model, resolve_device
+from specdec.models.loading import check_model_impl, load_model, resolve_device
 from specdec.models.quantized import check_quantization
 from specdec.output import GenerationOutput, output_of
 from specdec.prompts import (
@@ -74,7 +75,7 @@ class Generator:
     def __init__(
         self,
         *,
-        target: LlamaModel,
+        target: LlamaModel | TransformersAdapter,
         tokenizer: object | None = None,
         proposer: Proposer | None = None,
         cache_config: CacheConfig | None = None,
@@ -84,10 +85,14 @@ class Generator:
         policy: SpeculationPolicy | int | None = None,
         cuda_graphs: bool = False,
     ) -> None:
-        if not isinstance(target, LlamaModel):
-            raise TypeError(f"target must be a specdec LlamaModel, got {type(target).__name__}")
+        if not isinstance(target, (LlamaModel, TransformersAdapter)):
+            raise TypeError(
+                f"target must be a specdec LlamaModel or TransformersAdapter, got {type(target).__name__}"
+            )
         check_components(proposer, verifier, cache_config)
         check_cuda_graphs(cuda_graphs, target.device, isinstance(target, TensorParallelLlama))
+        if cuda_graphs and isinstance(target, TransformersAdapter):
+            raise ValueError("cuda_graphs=True needs a native family; this target runs on the transformers adapter")
         self.target = target
         self._codec = TextCodec(tokenizer)
         self._follower: Follower | None = None
@@ -129,19 +134,27 @@ class Generator:
         proposer: Proposer | None = None,
         tokenizer: object | None = None,
         device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype | None = None,
         cache_config: CacheConfig | None = None,
         policy: SpeculationPolicy | int | None = None,
         quantization: str | None = None,
         tensor_parallel_size: int = 1,
         backend: AttentionBackend | None = None,
         cuda_graphs: bool = False,
+        model_impl: str = "auto",
     ) -> Generator:
         """Load ``target`` (HF directory, ``.gguf`` file, known name or hub id) and its tokenizer.
 
         ``target`` may also be a transformers model already in memory (``AutoModelForCausalLM``
         of a supported architecture): its weights are copied in ``dtype``, the caller's model is
-        left as it was (:mod:`specdec.models.from_transformers`). ``tokenizer``: the tokenizer
+        left as it was (:mod:`specdec.models.from_transformers`). ``dtype=None``: bfloat16 (a
+        model object on the adapter: its own).
+
+        ``model_impl``: ``"auto"`` runs the natively supported families natively and any other
+        transformers causal LM on the transformers adapter (:mod:`specdec.models.hf_adapter`:
+        exact, slower, a model object used without a copy; :attr:`model_impl` says which);
+        ``"native"`` refuses other architectures; ``"transformers"`` takes the adapter for any
+        model. ``tokenizer``: the tokenizer
         to use instead of the one found beside the checkpoint (a model object built in memory
         has none; without one the generator takes token ids only).
 
@@ -164,6 +177,10 @@ class Generator:
         if cuda_graphs is not False:  # the device is checked first, as load_model does
             check_cuda_graphs(cuda_graphs, resolve_device(device), tensor_parallel_size > 1)
         check_tensor_parallel(tensor_parallel_size, quantization)
+        check_model_impl(model_impl)
+        if model_impl == "transformers" and tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs a native family; model_impl='transformers' "
+                             "runs the transformers adapter on one device")  # fmt: skip
         in_memory = is_transformers_model(target)
         if in_memory and tensor_parallel_size > 1:
             raise ValueError(
@@ -178,7 +195,9 @@ class Generator:
                 target, tensor_parallel_size, dtype=dtype, device=device
             )
         else:
-            model, _, path = load_model(target, dtype=dtype, device=device, quantization=quantization)
+            model, _, path = load_model(
+                target, dtype=dtype, device=device, quantization=quantization, model_impl=model_impl
+            )
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         eos = eos_ids(path, model, tokenizer) + (generation_eos_ids(target) if in_memory else ())
         return cls(
@@ -241,6 +260,12 @@ class Generator:
     def tokenizer(self) -> object | None:
         """The tokenizer (``None``: this generator takes and returns token ids only)."""
         return self._codec.tokenizer
+
+    @property
+    def model_impl(self) -> str:
+        """``"native"``: the target runs on specdec's own decoder; ``"transformers"``: on the
+        transformers adapter (the model's own code, slower: :mod:`specdec.models.hf_adapter`)."""
+        return "transformers" if isinstance(self.target, TransformersAdapter) else "native"
 
     # ------------------------------------------------------------- generation
     def generate(

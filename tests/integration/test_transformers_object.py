@@ -70,7 +70,8 @@ def test_unsupported_objects_are_refused_naming_what():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32))
     with pytest.raises(ValueError, match="unsupported architecture"):
-        Generator.from_pretrained(gpt2)
+        Generator.from_pretrained(gpt2, model_impl="native")
+    assert Generator.from_pretrained(gpt2).model_impl == "transformers"  # the adapter's (its tests)
     with pytest.raises(TypeError, match="model source must be a path or a name"):
         Generator.from_pretrained(torch.nn.Linear(2, 2))
     hf = make_hf_model("llama", 0)

@@ -25,7 +25,7 @@ from specdec.kv.paged import KVSpec, ModelKV
 from specdec.models import config_checks, gemma, olmo2, phi3
 from specdec.types import BatchLayout, ModelOutput
 
-__all__ = ["Architecture", "ModelConfig", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
+__all__ = ["Architecture", "ModelConfig", "UnsupportedArchitecture", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
 
 
 class Architecture(enum.Enum):
@@ -49,6 +49,11 @@ _ARCHITECTURES = {
     "Olmo2ForCausalLM": Architecture.OLMO2,
     "Phi3ForCausalLM": Architecture.PHI3,
 }
+
+
+class UnsupportedArchitecture(ValueError):
+    """A checkpoint of no native family (``model_impl='auto'`` then takes the transformers
+    adapter, :mod:`specdec.models.hf_adapter`)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -102,8 +107,10 @@ class ModelConfig:
             arch = Architecture(model_type)
         if arch is None:
             supported = ", ".join(sorted(_ARCHITECTURES))
-            raise ValueError(
-                f"unsupported architecture {archs or model_type!r}: specdec supports {supported}"
+            raise UnsupportedArchitecture(
+                f"unsupported architecture {archs or model_type!r}: specdec's native families are "
+                f"{supported}; any other transformers causal LM runs on the transformers adapter "
+                "(model_impl='transformers' or 'auto', docs/models.md)"
             )
         config_checks.check_quantization_config(hf_config)
         head_dim = getattr(hf_config, "head_dim", None) or (

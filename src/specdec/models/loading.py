@@ -22,8 +22,9 @@ from specdec.models import phi3
 from specdec.models.from_transformers import is_transformers_model, source_dir, transformers_tensors
 from specdec.models.gguf_dense import gguf_state
 from specdec.models.gguf_file import GgufFile
+from specdec.models.hf_adapter import TransformersAdapter
 from specdec.models.hugepages import move_to_hugepages
-from specdec.models.llama import LlamaModel, ModelConfig
+from specdec.models.llama import LlamaModel, ModelConfig, UnsupportedArchitecture
 from specdec.models.packed import pack_linears, should_pack
 from specdec.models.packed_cache import (
     load_packed,
@@ -34,6 +35,8 @@ from specdec.models.packed_cache import (
 from specdec.models.quantized import check_quantization, quantize_linears
 
 __all__ = [
+    "MODEL_IMPLS",
+    "check_model_impl",
     "load_model",
     "load_hf_config",
     "local_context",
@@ -59,8 +62,21 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"``/``torch.bfloat16``/... -> torch dtype; anything else raises naming ``dtype``."""
+# How a checkpoint runs: its native family when it has one, else the transformers adapter
+# ("auto"); only natively (an error for other architectures); always on the adapter.
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def check_model_impl(model_impl: object) -> None:
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``"bfloat16"``/``torch.bfloat16``/... -> torch dtype (``None``: bfloat16); anything
+    else raises naming ``dtype``."""
+    if dtype is None:
+        return torch.bfloat16
     if isinstance(dtype, torch.dtype) and dtype in set(_DTYPES.values()):
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPES:
@@ -218,11 +234,12 @@ def model_from_state_dict(
 def load_model(
     source: str | Path | torch.nn.Module,
     *,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     pack: bool | None = None,
     quantization: str | None = None,
-) -> tuple[LlamaModel, object, Path | None]:
+    model_impl: str = "auto",
+) -> tuple[LlamaModel | TransformersAdapter, object, Path | None]:
     """Load ``source`` (HF directory, ``.gguf`` file, known name or hub id).
 
     ``pack`` swaps bf16 linear layers for the packed CPU kernel (``None``: when it helps,
@@ -236,8 +253,17 @@ def load_model(
     ``source`` may also be a transformers model in memory (:mod:`specdec.models.from_transformers`:
     its weights copied in ``dtype``, never cached on disk); ``model_dir`` is then the local
     directory it was loaded from, or ``None``.
+
+    ``model_impl`` (:data:`MODEL_IMPLS`): ``"auto"`` runs a native family natively and any
+    other architecture on the transformers adapter (:mod:`specdec.models.hf_adapter`: the
+    model's own code over specdec's paged KV, slower; a model object is then used as it is, not
+    copied); ``"native"`` refuses other architectures; ``"transformers"`` takes the adapter for
+    every model. ``dtype=None``: bfloat16, or a model object's own on the adapter.
     """
+    check_model_impl(model_impl)
     check_quantization(quantization, device)
+    if is_transformers_model(source) and _on_adapter(source.config, model_impl):
+        return _adapter(source, dtype, device, quantization), source.config, source_dir(source)
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     if is_transformers_model(source):
         hf_config = source.config  # checked as a checkpoint's config.json would be
@@ -251,6 +277,8 @@ def load_model(
             pack_linears(model)
         return settle_weights(model), hf_config, source_dir(source)
     path = resolve_source(source)
+    if path.suffix == ".gguf" and model_impl == "transformers":
+        raise ValueError("model_impl='transformers' reads safetensors checkpoint directories, not GGUF files")
     if path.suffix == ".gguf":
         _import_gguf()
         gguf_file = GgufFile.read(path)  # the one parse of the file: everything below reads it
@@ -266,6 +294,8 @@ def load_model(
             pack_linears(model)
         return settle_weights(model), hf_config, path
     hf_config = load_hf_config(path)
+    if _on_adapter(hf_config, model_impl):
+        return _adapter(_read_transformers(path, torch_dtype, torch_device), None, device, quantization), hf_config, path
     cfg = ModelConfig.from_hf_config(hf_config)
     files = safetensors_files(path)
     wants_pack = quantization is None and (pack if pack is not None else (
@@ -288,6 +318,59 @@ def load_model(
         if not save_packed(model, cache_file, max_bytes=max_bytes, label=label):
             cache_file = None  # not cached (over the bound, disk full): nothing to map
     return settle_weights(model, cache_file if quantization else None), hf_config, path
+
+
+def _on_adapter(hf_config: object, model_impl: str) -> bool:
+    """Whether ``model_impl`` sends a model of ``hf_config`` to the transformers adapter; a
+    native family's config that specdec cannot honour raises here, whatever ``"auto"`` says
+    (its error names the field; ``model_impl="transformers"`` runs it anyway)."""
+    if model_impl != "auto":
+        return model_impl == "transformers"
+    try:
+        ModelConfig.from_hf_config(hf_config)
+    except UnsupportedArchitecture:
+        return True
+    return False
+
+
+def _adapter(
+    hf_model: torch.nn.Module, dtype: str | torch.dtype | None, device: str | torch.device, quantization: str | None
+) -> TransformersAdapter:
+    """The transformers adapter over ``hf_model`` itself (no copy): it runs in its own dtype
+    and on its own device, so a different one asked for is refused, not silently converted."""
+    name = type(hf_model).__name__
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} needs a natively supported family; {name} "
+                         "runs on the transformers adapter (docs/models.md)")  # fmt: skip
+    if dtype is not None and resolve_dtype(dtype) != hf_model.dtype:
+        raise ValueError(
+            f"dtype={dtype!r}, but the transformers adapter runs the model object as it is ({name}, "
+            f"{hf_model.dtype}): pass dtype=None, or convert the model first (model.to(dtype))"
+        )
+    wanted = resolve_device(device)
+    if hf_model.device.type != wanted.type:
+        raise ValueError(f"device={device!r}, but the model object is on {hf_model.device}: the transformers "
+                         "adapter runs it where it is (move it first)")  # fmt: skip
+    return TransformersAdapter(hf_model)
+
+
+def _read_transformers(path: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A checkpoint directory loaded by transformers (safetensors only, no remote code), every
+    weight read from the files: transformers would fill missing ones with random values."""
+    from transformers import AutoModelForCausalLM
+
+    safetensors_files(path)  # a clear error when there are none
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, use_safetensors=True, trust_remote_code=False, output_loading_info=True
+        )
+    except (ValueError, OSError, KeyError, RuntimeError) as err:  # RuntimeError: shapes that differ
+        raise ValueError(f"transformers cannot load {str(path)!r} as a causal LM "
+                         f"(the weights in it do not match its config?): {err}") from err  # fmt: skip
+    bad = {k: v for k, v in info.items() if k in ("missing_keys", "mismatched_keys") and v}
+    if bad:
+        raise ValueError(f"the weights in {str(path)!r} do not match its config: {bad}")
+    return model.to(device).eval()
 
 
 def settle_weights(model: LlamaModel, cache_file: Path | None = None) -> LlamaModel:

@@ -39,6 +39,7 @@ from specdec.config import MAX_SPECULATIVE_TOKENS, SamplingParams
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.allocator import OutOfPages, PageAllocator
 from specdec.kv.paged import KVCacheManager, KVSpec
+from specdec.models.hf_adapter import TransformersAdapter
 from specdec.models.llama import LlamaModel
 from specdec.proposers.draft_model import DraftModel
 from specdec.types import DraftProposal, ProposalKind, RequestEnd, pad_rows
@@ -164,7 +165,7 @@ class CrossTokenizerDraft:
         if isinstance(draft, (str, Path)):
             raise TypeError("draft must be a DraftModel or a specdec model; load a path with "
                             "CrossTokenizerDraft.from_pretrained(path)")  # fmt: skip
-        if isinstance(draft, LlamaModel):
+        if isinstance(draft, (LlamaModel, TransformersAdapter)):
             draft = DraftModel.from_model(draft, tokenizer=draft_tokenizer)
         if not isinstance(draft, DraftModel):
             raise TypeError(

@@ -37,8 +37,9 @@ from specdec.codec import load_tokenizer
 from specdec.deprecation import moved_names
 from specdec.interfaces import ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
+from specdec.models.hf_adapter import TransformersAdapter
 from specdec.models.llama import LlamaModel
-from specdec.models.loading import load_model
+from specdec.models.loading import check_model_impl, load_model
 from specdec.models.padded_vocab import check_padded_vocab, draft_input_ids, fit_logits
 from specdec.models.quantized import check_quantization
 from specdec.models.sub_vocab import SubVocabHead, check_token_ids
@@ -66,8 +67,11 @@ class DraftModel:
     def __init__(
         self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None, tokenizer: object = None
     ) -> None:
-        if not isinstance(model, LlamaModel):
-            raise TypeError(f"model must be a specdec LlamaModel, got {type(model).__name__}")
+        if not isinstance(model, (LlamaModel, TransformersAdapter)):
+            raise TypeError(f"model must be a specdec LlamaModel or TransformersAdapter, got {type(model).__name__}")
+        if draft_vocab is not None and isinstance(model, TransformersAdapter):
+            raise ValueError("draft_vocab needs a natively supported draft family (it replaces the LM head); "
+                             f"{model.config.architecture} runs on the transformers adapter")  # fmt: skip
         self.model = model
         self.config = config
         self.tokenizer = tokenizer  # the draft's own (None: unknown), compared with the target's
@@ -84,12 +88,13 @@ class DraftModel:
         path: str | Path | torch.nn.Module,
         *,
         num_speculative_tokens: int = 4,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype | None = None,
         device: str | torch.device = "cpu",
         quantization: str | None = None,
         confidence_threshold: float = 0.0,
         draft_vocab: object = None,
         tokenizer: object = None,
+        model_impl: str = "auto",
     ) -> DraftModel:
         """Load a draft model. ``quantization="int8"`` or ``"q4"`` stores its linear layers as
         weight-only int8 or 4-bit (CPU): less time per draft token at batch 1, slightly
@@ -100,21 +105,26 @@ class DraftModel:
         be a transformers model in memory (its weights copied, see
         :mod:`specdec.models.from_transformers`); ``tokenizer``: the draft's tokenizer instead
         of the one beside its checkpoint (needed only when its embedding rows differ from the
-        target's)."""
+        target's). ``dtype=None``: bfloat16 (a model object on the adapter: its own);
+        ``model_impl``: as :meth:`Generator.from_pretrained <specdec.Generator.from_pretrained>`'s
+        (a draft of no native family runs on the transformers adapter)."""
         config = ChainProposerConfig(
             num_speculative_tokens=num_speculative_tokens, confidence_threshold=confidence_threshold
         )  # validate first
         check_quantization(quantization, device)
         if draft_vocab is not None:  # its type and shape before the load; its range after
             check_token_ids(draft_vocab, None)
-        model, _, model_dir = load_model(path, dtype=dtype, device=device, quantization=quantization)
+        check_model_impl(model_impl)
+        model, _, model_dir = load_model(
+            path, dtype=dtype, device=device, quantization=quantization, model_impl=model_impl
+        )
         tokenizer = load_tokenizer(model_dir) if tokenizer is None else tokenizer
         return cls(model, config, draft_vocab=draft_vocab, tokenizer=tokenizer)
 
     @classmethod
     def from_model(
         cls,
-        model: LlamaModel,
+        model: LlamaModel | TransformersAdapter,
         *,
         num_speculative_tokens: int = 4,
         confidence_threshold: float = 0.0,

@@ -55,6 +55,12 @@ class HeadProposer:
     def attach(self, target: LlamaModel) -> None:
         """Bind to the generator's target: load the weights (from_pretrained) or check that the
         head given fits ``target`` and borrows this very instance's weights."""
+        if not isinstance(target, LlamaModel):  # the transformers adapter: logits only
+            raise ValueError(
+                f"the {self.head_name} reads the target's hidden states and LM head, which a model on the "
+                f"transformers adapter ({target.config.architecture}) does not expose: use a draft model, "
+                "PromptLookup or SuffixDecoding with it, or a natively supported family (docs/models.md)"
+            )
         if self.head is None:
             self.head = self._load(target)
         elif self.head.target is not target:
