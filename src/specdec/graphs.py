@@ -181,6 +181,12 @@ class PassGraphs:
         max_rows: int = MAX_ROWS,
         head: torch.nn.Module | None = None,
     ) -> None:
+        if getattr(getattr(model, "config", None), "moe", None) is not None:
+            raise ValueError(
+                "cuda_graphs=True is not supported for qwen3_moe (Qwen3-MoE) models: each pass "
+                "reads on the host which experts its tokens chose, which a captured graph would "
+                "freeze; use cuda_graphs=False"
+            )
         self.model, self.kv, self.capture, self.head = model, kv, capture, head
         self.backend_for = backend_for
         self.buckets = tuple(sorted(buckets))

@@ -47,6 +47,11 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
             f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for "
             f"{cfg.architecture.value} ({family}) models; use tensor_parallel_size=1"
         )
+    if cfg.moe is not None and world_size > 1:  # read_shard slices dense MLPs only
+        raise ValueError(
+            f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for "
+            "qwen3_moe (Qwen3-MoE) models, whose experts are not sharded; use tensor_parallel_size=1"
+        )
     if cfg.phi3 is not None and world_size > 1:  # read_shard slices q/k/v and gate/up by name
         raise ValueError(
             f"tensor_parallel_size={world_size}: tensor parallelism is not implemented for phi3 "

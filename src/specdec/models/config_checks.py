@@ -17,8 +17,8 @@ do Phi-3's RoPE and window: :mod:`specdec.models.phi3`):
 - ``sliding_window``, ``use_sliding_window``, ``max_window_layers``, ``layer_types``: which
   layers attend through a window. These families must have the same window on all of them
   (:func:`uniform_window`); Gemma's layers each have their own.
-- ``attention_bias``, ``mlp_bias``: Llama reads both; Qwen3 and OLMo 2 read ``attention_bias``
-  (q/k/v and o_proj; their MLPs have no biases). Qwen2's q/k/v always have biases and its
+- ``attention_bias``, ``mlp_bias``: Llama reads both; Qwen3, Qwen3-MoE and OLMo 2 read
+  ``attention_bias`` (q/k/v and o_proj; their MLPs have no biases). Qwen2's q/k/v always have biases and its
   other linears none; Mistral's and Phi-3's have none, whatever these say (:func:`linear_biases`).
 - ``rope_parameters`` (older configs: ``rope_scaling``): every static RoPE type is computed by
   transformers' own functions (:func:`check_rope_type`, :func:`check_rotary_dims`).
@@ -49,6 +49,7 @@ __all__ = [
 
 SILU_NAMES = frozenset({"silu", "swish"})  # what the CPU kernels' fused SiLU-and-multiply computes
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+_WINDOW_ON_EVERY_LAYER = ("mistral", "qwen3_moe")  # their attention reads config.sliding_window
 # Recomputed from each forward's sequence length, and from the history of lengths (the cache
 # holds keys rotated the old way): no fixed table gives transformers' numbers.
 _DYNAMIC_ROPE = frozenset({"longrope"})
@@ -91,7 +92,7 @@ def linear_biases(hf_config: object, arch: str) -> tuple[bool, bool, bool]:
     if arch in ("mistral", "phi3"):
         return False, False, False
     attention = bool(getattr(hf_config, "attention_bias", False))
-    if arch in ("qwen3", "gemma2", "gemma3_text", "olmo2"):
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "olmo2"):
         return attention, attention, False
     return attention, attention, bool(getattr(hf_config, "mlp_bias", False))
 
@@ -103,7 +104,8 @@ def uniform_window(hf_config: object, arch: str) -> int | None:
 
     Qwen2 and Qwen3 window the layers ``layer_types`` calls ``sliding_attention`` (transformers
     derives them from ``use_sliding_window`` and ``max_window_layers``: layers
-    ``i >= max_window_layers``), Mistral every layer, Llama none (its ``sliding_window``, if
+    ``i >= max_window_layers``), Mistral and Qwen3-MoE every layer (Qwen3MoeConfig drops
+    ``sliding_window`` unless ``use_sliding_window``), Llama none (its ``sliding_window``, if
     any, is unread by transformers).
     """
     n = hf_config.num_hidden_layers
@@ -138,12 +140,12 @@ def _qwen2_window(hf_config: object, n: int, arch: str) -> int | None:
 
 
 def _class_window(hf_config: object, arch: str, n: int) -> int | None:
-    """Mistral's ``sliding_window`` on every layer, Llama's none, checked against any
-    ``layer_types``: transformers' Llama and Mistral classes ignore them, but AutoConfig reads
-    a Mistral config.json that has them as Ministral's, whose layers follow them as Qwen2's
-    do. Only where both readings agree is the model's attention known."""
+    """Mistral's and Qwen3-MoE's ``sliding_window`` on every layer, Llama's none, checked
+    against any ``layer_types``: transformers' Llama, Mistral and Qwen3-MoE classes ignore them,
+    but AutoConfig reads a Mistral config.json that has them as Ministral's, whose layers follow
+    them as Qwen2's do. Only where both readings agree is the model's attention known."""
     window = getattr(hf_config, "sliding_window", None)
-    applied = window if arch == "mistral" else None
+    applied = window if arch in _WINDOW_ON_EVERY_LAYER else None
     declared = getattr(hf_config, "layer_types", None)
     if declared is None:
         return applied
@@ -152,7 +154,7 @@ def _class_window(hf_config: object, arch: str, n: int) -> int | None:
     if any((window if t == _SLIDING else None) != applied for t in types):
         where = (
             f"sliding_window={applied!r} on every layer"
-            if arch == "mistral"
+            if arch in _WINDOW_ON_EVERY_LAYER
             else "no window on any layer"
         )
         raise unsupported(

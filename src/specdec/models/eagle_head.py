@@ -218,6 +218,7 @@ class EagleHeadConfig:
             gemma=None,
             olmo2=False,
             phi3=None,
+            moe=None,  # a dense MLP of intermediate_size on a Qwen3-MoE target too
         )
 
     def to_json(self) -> dict[str, object]:

@@ -67,9 +67,19 @@ _QWEN3_BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Qwen3-MoE's blocks (llama.cpp's qwen3moe): Qwen3's, with the router and the experts stacked in
+# 3-D tensors (experts first in PyTorch order), split per expert by the loader
+# (specdec.models.qwen3_moe.unstack_experts).
+_QWEN3MOE_BLOCK_NAMES = {
+    **_QWEN3_BLOCK_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _FAMILY_BLOCK_NAMES = {
     "gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES, "olmo2": _OLMO2_BLOCK_NAMES, "phi3": _PHI3_BLOCK_NAMES,
-    "qwen3": _QWEN3_BLOCK_NAMES,
+    "qwen3": _QWEN3_BLOCK_NAMES, "qwen3moe": _QWEN3MOE_BLOCK_NAMES,
 }  # fmt: skip
 # Tensors a Hugging Face model has no place for: Llama 3's RoPE frequency factors (transformers'
 # GGUF reader drops them too; the rotary frequencies come from the config) and Phi-3's longrope

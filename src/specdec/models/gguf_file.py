@@ -20,7 +20,9 @@ linear RoPE scaling and layer pattern) and sets the attention scale by llama.cpp
 RoPE, longrope (its factors are tensors of the file) and the window (:meth:`GgufFile._phi3_config`).
 For Qwen3 (dense) it reads ``head_dim`` from ``attention.key_length`` and attention biases from
 the tensors (:meth:`GgufFile._qwen3_config`); its q/k rows are stored unpermuted, as Qwen2's
-(llama.cpp rotates both NeoX-style), and its per-head q/k norms as they are.
+(llama.cpp rotates both NeoX-style), and its per-head q/k norms as they are. Qwen3-MoE
+(``qwen3moe``) is read as Qwen3, plus its experts' keys (:data:`_MOE_KEYS`; every layer sparse,
+top-k renormalised, as llama.cpp's qwen3moe graph computes it).
 
 Example::
 
@@ -68,7 +70,15 @@ _TOKEN_KEYS = {
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
 # Mistral is written as "llama".
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2", "phi3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "olmo2", "phi3")
+_QWEN3_FAMILY = ("qwen3", "qwen3moe")  # per-head q/k norms, head_dim in attention.key_length
+# Qwen3-MoE's keys (llama.cpp's converter writes the config's fields there; transformers' reader
+# has the first two, and leaves moe_intermediate_size at Qwen3MoeConfig's default).
+_MOE_KEYS = {
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+}
 # Gemma's keys beside _CONFIG_KEYS: transformers' GGUF_CONFIG_MAPPING for gemma2 and gemma3, plus
 # the soft caps llama.cpp's converter writes (transformers' reader skips them and falls back on
 # Gemma2Config's defaults, 50 and 30, which are also the released checkpoints' values).
@@ -147,6 +157,8 @@ class GgufFile:
         ``"gemma3"`` file is the text model ``"gemma3_text"``."""
         if self.architecture == "llama" and self.metadata.get("general.name") == "mistral":
             return "mistral"
+        if self.architecture == "qwen3moe":
+            return "qwen3_moe"
         return _GEMMA_MODEL_TYPES.get(self.architecture, self.architecture)
 
     @property
@@ -177,9 +189,11 @@ class GgufFile:
         if self.architecture == "olmo2":
             self._check_olmo2()
             keys["attention.key_length"] = "head_dim"
-        if self.architecture == "qwen3":
+        if self.architecture in _QWEN3_FAMILY:
             self._check_qwen3()
             keys["attention.key_length"] = "head_dim"
+        if self.architecture == "qwen3moe":
+            keys.update(_MOE_KEYS)
         config: dict[str, object] = {"model_type": self.model_type}
         for key, name in keys.items():
             if f"{self.architecture}.{key}" in self.metadata:
@@ -194,8 +208,10 @@ class GgufFile:
             config.update(self._gemma_config(config))
         if self.architecture == "phi3":
             config.update(self._phi3_config(config))
-        if self.architecture == "qwen3":
+        if self.architecture in _QWEN3_FAMILY:
             config.update(self._qwen3_config(config))
+        if self.architecture == "qwen3moe":  # llama.cpp's qwen3moe renormalises the top-k weights
+            config.update(norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1)
         return config
 
     def _qwen3_config(self, config: dict[str, object]) -> dict[str, object]:
@@ -212,12 +228,13 @@ class GgufFile:
 
     def _check_qwen3(self) -> None:
         """ValueError naming the key where a ``qwen3`` file has RoPE scaling (YaRN)."""
+        arch = self.architecture
         for key in _QWEN3_REFUSED_KEYS:
-            value = self.metadata.get(f"qwen3.{key}")
+            value = self.metadata.get(f"{arch}.{key}")
             if value is not None and value != "none":
                 raise ValueError(
-                    f"{self.path.name}: GGUF key qwen3.{key}={value!r} is not supported (RoPE "
-                    "scaling); specdec loads qwen3 files without it"
+                    f"{self.path.name}: GGUF key {arch}.{key}={value!r} is not supported (RoPE "
+                    f"scaling); specdec loads {arch} files without it"
                 )
 
     def _phi3_config(self, config: dict[str, object]) -> dict[str, object]:

@@ -107,6 +107,12 @@ def load_gguf_q4(file: GgufFile, dtype: torch.dtype) -> tuple[LlamaModel, object
     whole dense model. Warns naming the tensors quantized anew."""
     hf_config = file.hf_config()
     cfg = ModelConfig.from_hf_config(hf_config)
+    if cfg.moe is not None:  # its experts are 3-D tensors, whose codes are not split per expert here
+        raise ValueError(
+            f"{file.path.name}: quantization='q4' straight from a GGUF file is not implemented for "
+            "qwen3moe (Qwen3-MoE) files; load it densely (quantization=None), or quantized from "
+            "the dense load with quantization='int8'"
+        )
     with torch.device("meta"):
         model = LlamaModel(cfg).to(dtype)
         quantize_linears(model, "q4")

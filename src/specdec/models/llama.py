@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Llama 3, Qwen2, Qwen3, Mistral; Gemma 2 and Gemma 3 with the
 differences of :mod:`specdec.models.gemma`, OLMo 2 with those of :mod:`specdec.models.olmo2`,
-Phi-3 / Phi-4-mini with those of :mod:`specdec.models.phi3`) over the paged KV cache.
+Phi-3 / Phi-4-mini with those of :mod:`specdec.models.phi3`, Qwen3-MoE with the sparse MLP of
+:mod:`specdec.models.qwen3_moe`) over the paged KV cache.
 
 Parameter names follow Hugging Face's except for two fusions that cut the number of matrix
 products per layer on small batches: ``qkv_proj`` (q, k, v stacked) and ``gate_up_proj`` (gate
@@ -22,7 +23,7 @@ from torch import nn
 from specdec.attention.layered import layer_plan
 from specdec.interfaces import AttentionBackend, AttentionSpec
 from specdec.kv.paged import KVSpec, ModelKV
-from specdec.models import config_checks, gemma, olmo2, phi3
+from specdec.models import config_checks, gemma, olmo2, phi3, qwen3_moe
 from specdec.types import BatchLayout, ModelOutput
 
 __all__ = ["Architecture", "ModelConfig", "UnsupportedArchitecture", "LlamaModel", "rms_norm", "apply_rope", "rope_tables"]
@@ -37,6 +38,7 @@ class Architecture(enum.Enum):
     GEMMA3 = "gemma3_text"  # Gemma3ForCausalLM, text only (Gemma3TextConfig)
     OLMO2 = "olmo2"
     PHI3 = "phi3"  # Phi-3, Phi-3.5-mini, Phi-4-mini
+    QWEN3_MOE = "qwen3_moe"  # Qwen3-30B-A3B, Qwen3-235B-A22B
 
 
 _ARCHITECTURES = {
@@ -48,6 +50,7 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": Architecture.GEMMA3,
     "Olmo2ForCausalLM": Architecture.OLMO2,
     "Phi3ForCausalLM": Architecture.PHI3,
+    "Qwen3MoeForCausalLM": Architecture.QWEN3_MOE,
 }
 
 
@@ -94,6 +97,9 @@ class ModelConfig:
     # Phi-3 / Phi-4-mini: partial RoPE (q/k channels reordered at load) and the field bounding
     # the context (see specdec.models.phi3); None for the other families.
     phi3: phi3.Phi3Traits | None = None
+    # Qwen3-MoE: the experts of its sparse layers and which layers those are (see
+    # specdec.models.qwen3_moe); None for the dense families.
+    moe: qwen3_moe.MoeTraits | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> ModelConfig:
@@ -118,6 +124,7 @@ class ModelConfig:
         )
         qkv_bias, o_bias, mlp_bias = config_checks.linear_biases(hf_config, arch.value)
         phi = phi3.read_traits(hf_config, head_dim) if arch is Architecture.PHI3 else None
+        moe = qwen3_moe.read_traits(hf_config) if arch is Architecture.QWEN3_MOE else None
         if arch.value in gemma.FAMILIES:  # windows per layer; RoPE of the global layers
             traits, window = gemma.read_traits(hf_config, arch.value, head_dim), None
             hidden_act = config_checks.check_activation(hf_config, "hidden_activation")
@@ -155,10 +162,11 @@ class ModelConfig:
             rope_attention_scaling=float(attention_scaling),
             eos_token_ids=eos_ids,
             hidden_act=hidden_act,
-            qk_norm=arch in (Architecture.QWEN3, Architecture.GEMMA3),
+            qk_norm=arch in (Architecture.QWEN3, Architecture.GEMMA3, Architecture.QWEN3_MOE),
             gemma=traits,
             olmo2=arch is Architecture.OLMO2,
             phi3=phi,
+            moe=moe,
         )
 
     @property
@@ -239,8 +247,9 @@ def _decoder_stack(model: LlamaModel, ops: object | None, kv, backend, plan) -> 
     every layer in one kernel call (the fused bf16 path, the CPU attention kernel, kernel-shaped
     linears), else None. The arguments are kept on the model between forwards (a cache of what
     its layers hold, checked against them at every forward). Not for Qwen3: the kernel has no
-    q/k norm, so its layers keep the loop (:meth:`LlamaModel._fused_layer_states`)."""
-    if ops is None or model.layer_config.qk_norm:
+    q/k norm, so its layers keep the loop (:meth:`LlamaModel._fused_layer_states`); nor for
+    Qwen3-MoE, whose sparse MLPs it does not compute."""
+    if ops is None or model.layer_config.qk_norm or model.layer_config.moe is not None:
         return None
     from specdec.models import cpu_decoder
 
@@ -338,23 +347,28 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACT2FN[name]
 
 
-def _decoder_layer(cfg: ModelConfig) -> nn.Module:
-    """One decoder layer of the family: Gemma's sandwich-normed layer, OLMo 2's post-normed one,
-    or Llama's."""
+def _decoder_layer(cfg: ModelConfig, index: int) -> nn.Module:
+    """Decoder layer ``index`` of the family: Gemma's sandwich-normed layer, OLMo 2's post-normed
+    one, or Llama's (Qwen3-MoE's sparse layers: with the experts as their MLP)."""
     if cfg.olmo2:
         return olmo2.Olmo2DecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, olmo2.Olmo2Attention(cfg), MLP(cfg))
+    if cfg.moe is not None and cfg.moe.is_sparse(index):
+        experts = qwen3_moe.SparseMoeBlock(cfg.hidden_size, cfg.moe, _activation(cfg.hidden_act))
+        return DecoderLayer(cfg, experts)
     if cfg.gemma is None:
         return DecoderLayer(cfg)
     return gemma.GemmaDecoderLayer(cfg.hidden_size, cfg.rms_norm_eps, Attention(cfg), MLP(cfg))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Llama's layer; ``mlp``: another MLP module in place of Llama's (Qwen3-MoE's experts)."""
+
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def forward(self, h, cos, sin, layer_kv, backend, plan):  # shapes as Attention.forward
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, backend, plan)
@@ -377,7 +391,7 @@ class LlamaModel(nn.Module):
         # share of the heads and of the MLP width (see specdec.distributed.sharding).
         self.layer_config = layer_config or cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_decoder_layer(self.layer_config) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_decoder_layer(self.layer_config, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -490,8 +504,9 @@ class LlamaModel(nn.Module):
     def _fused_layer_states(self, ops, h, cos, sin, kv, backend, plan, wanted) -> dict[int, torch.Tensor]:
         """:meth:`layer_states` for bf16 on CPUs with the kernel's fused small ops (see
         ``kernels/cpu_layer_ops.cpp``): one call each for residual add + RMSNorm, RoPE of q
-        and k (after Qwen3's q/k norm, :func:`_norm_qk`), and SiLU-and-multiply, where the
-        plain path takes ~55 tensor ops a layer. The residual of each sub-block is added by the
+        and k (after Qwen3's q/k norm, :func:`_norm_qk`), and SiLU-and-multiply (Qwen3-MoE's
+        sparse layers: their experts' module), where the plain path takes ~55 tensor ops a
+        layer. The residual of each sub-block is added by the
         next norm (``delta``), so the input of layer ``i`` exists only after its first norm;
         ``add_rms_norm`` returns a new tensor there, never overwritten later, so keeping it
         costs nothing."""
@@ -512,7 +527,10 @@ class LlamaModel(nn.Module):
             v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
             out = backend.run(layer_plan(plan, i), q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
             h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(n, attn.q_size)), norm2.weight, norm2.eps)
-            delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
+            if isinstance(mlp, qwen3_moe.SparseMoeBlock):  # the experts' own SiLU, as transformers'
+                delta = mlp(x)
+            else:
+                delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
         states[len(self.layers)] = h if delta is None else h + delta
         return states
 

@@ -18,7 +18,7 @@ import torch
 
 from specdec.disk_cache import packed_cache_max_bytes
 from specdec.kernels.cpu_linear import kernel_available
-from specdec.models import phi3
+from specdec.models import phi3, qwen3_moe
 from specdec.models.from_transformers import is_transformers_model, source_dir, transformers_tensors
 from specdec.models.gguf_dense import gguf_state
 from specdec.models.gguf_file import GgufFile
@@ -158,14 +158,15 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _fuse_name(name: str) -> tuple[str, int, int] | None:
-    """Map an HF projection name to (fused name, part index, number of parts)."""
+    """Map an HF projection name to (fused name, part index, number of parts); Qwen3-MoE's
+    experts (``mlp.experts.{e}.gate_proj``/``up_proj``) fuse as the dense MLP's do."""
     for part, (old, new, n) in enumerate(
         (("q_proj", "qkv_proj", 3), ("k_proj", "qkv_proj", 3), ("v_proj", "qkv_proj", 3))
     ):
         if f".self_attn.{old}." in name:
             return name.replace(old, new), part, n
     for part, old in enumerate(("gate_proj", "up_proj")):
-        if f".mlp.{old}." in name:
+        if f".mlp.{old}." in name or (".mlp.experts." in name and f".{old}." in name):
             return name.replace(old, "gate_up_proj"), part, 2
     return None
 
@@ -183,7 +184,11 @@ def model_from_state_dict(
 
     ``layer_config``: the decoder layers' shape when it differs from ``cfg`` (one rank's shard
     under tensor parallelism); the tensors must then have the shard's shapes. ``make_model``
-    builds the (meta-device) model instead of ``LlamaModel(cfg, layer_config=layer_config)``."""
+    builds the (meta-device) model instead of ``LlamaModel(cfg, layer_config=layer_config)``.
+    Experts stacked in 3-D tensors load one per expert
+    (:func:`~specdec.models.qwen3_moe.unstack_experts`)."""
+    if cfg.moe is not None:
+        tensors = qwen3_moe.unstack_experts(tensors)
     with torch.device("meta"):
         model = make_model() if make_model is not None else LlamaModel(cfg, layer_config=layer_config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
