@@ -21,6 +21,7 @@ import attrs
 import pytest
 import torch
 from helpers import (
+    assert_greedy_as_transformers,
     bf16_error,
     bf16_reference,
     hf_greedy,
@@ -34,7 +35,7 @@ from specdec.models import llama
 from specdec.models.llama import Architecture, ModelConfig
 from specdec.models.loading import load_model, model_from_state_dict
 from specdec.models.quantized import Int8Linear, Q4Linear
-from specdec.proposers import DraftModel
+from specdec.proposers import DraftModel, EAGLETree, PromptLookup
 
 F64 = torch.float64
 HF_TOL = dict(rtol=1e-5, atol=2e-5)  # transformers runs RMSNorm and RoPE in float32
@@ -210,6 +211,35 @@ def test_greedy_generation_matches_transformers(checkpoint, speculative):
     if speculative:
         assert drafted and gen.metrics.num_accepted > 0  # verify passes of several rows ran
     assert gen.kv_stats()["num_free_pages"] == gen.kv_stats()["num_total_pages"]
+
+
+def _random_eagle3_head(target, seed: int):
+    """A random EAGLE-3 head on the inputs of layers 0 and 1 and the last output (a Llama layer:
+    no q/k norms, whatever the target), norms far from 1."""
+    from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
+
+    torch.manual_seed(seed)
+    head = EagleHeadModel(target, EagleHeadConfig.for_target(target.config, EagleKind.EAGLE3, target_layers=(0, 1, 2)))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+    return head.to(target.dtype).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle-tree"])
+def test_greedy_with_prompt_lookup_and_an_eagle_tree_matches_transformers(checkpoint, proposer):
+    path, hf = checkpoint("base")
+    target, _, _ = load_model(path, dtype="float64")
+    prompts = _prompts(5, seed=2, lengths=(6, 16))
+    prompts[0] = prompts[0][:3] * 4  # repeats: prompt lookup has something to find
+    if proposer == "prompt-lookup":
+        drafts, k = PromptLookup(3), 3
+    else:  # a dynamic tree, verified under the tree mask
+        drafts = EAGLETree.from_model(_random_eagle3_head(target, seed=0), None)
+        k = drafts.num_speculative_tokens
+    assert_greedy_as_transformers(target, hf, drafts, k, prompts, NEW_TOKENS,
+                                  expect_accepted=proposer == "eagle-tree")  # fmt: skip
 
 
 def test_bf16_speculation_is_exact_and_skips_the_stack_kernel(checkpoint, kernel, monkeypatch):
