@@ -198,26 +198,35 @@ def test_negative_controls_disagree(checkpoint, monkeypatch, family, control):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_match_transformers_bf16_without_the_fused_paths(checkpoint, kernel, monkeypatch, family):
+def test_logits_match_transformers_bf16_through_gemmas_fused_path(checkpoint, kernel, monkeypatch, family):
     """Packed bf16 linears and the CPU backend (its kernel for Gemma 3; the float64 reference
-    for Gemma 2's capped scores); the fused per-layer ops and the whole-stack kernel compute
-    Llama's norms and SiLU and are never entered."""
-    from specdec.models import cpu_decoder
+    for Gemma 2's capped scores) through Gemma's own fused per-layer ops
+    (:func:`specdec.models.gemma.fused_layer_states`: its norms and gelu); Llama's fused
+    per-layer ops and the whole-stack kernel compute Llama's norms and SiLU and are never
+    entered. The fused path equals the layers' own modules within bf16 noise."""
+    from specdec.models import cpu_decoder, gemma
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("a fused CPU path ran a Gemma layer")
+        raise AssertionError("a Llama fused CPU path ran a Gemma layer")
 
     monkeypatch.setattr(cpu_decoder, "run_stack", forbidden)
     monkeypatch.setattr(llama.LlamaModel, "_fused_layer_states", forbidden)
+    calls = []
+    fused = gemma.fused_layer_states
+    monkeypatch.setattr(gemma, "fused_layer_states", lambda *a: calls.append(1) or fused(*a))
     path, hf = checkpoint(family)
     model, _, _ = load_model(path, dtype="bfloat16")  # packed
     prompts = _prompts(4, seed=3)
     ref = bf16_reference(hf)
     ours = _cpu_prefill_logits(model, prompts)
+    assert calls  # Gemma's fused path ran
     errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     assert max(errors) < BF16_TOL, errors
     reference_attention = ragged_prefill_logits(model, prompts)  # the torch backend
     for a, b in zip(ours, reference_attention):
+        assert bf16_error(a, b) < 0.02
+    monkeypatch.setattr(llama, "_fused_ops", lambda embeds: None)  # the layers' own modules
+    for a, b in zip(ours, _cpu_prefill_logits(model, prompts)):
         assert bf16_error(a, b) < 0.02
 
 

@@ -58,6 +58,34 @@ def test_silu_mul_is_bitwise_the_torch_ops(ops):
     assert torch.equal(ops.silu_mul(gate_up), want)
 
 
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_f32w_matches_gemmas_norm(ops, with_delta):
+    from specdec.models.gemma import gemma_rms_norm
+
+    h, delta, w = _bf16(40, 1152, seed=5, scale=4.0), _bf16(40, 1152, seed=6), _bf16(1152, seed=7, scale=0.5)
+    factor = 1.0 + w.float()  # what GemmaRMSNorm.factor() passes
+    summed, normed = ops.add_rms_norm_f32w(h, delta if with_delta else None, factor, 1e-6)
+    want_sum = h + delta if with_delta else h
+    assert torch.equal(summed, want_sum)
+    want = gemma_rms_norm(want_sum, w, 1e-6)
+    diff = (normed.float() - want.float()).abs()
+    assert bool((diff <= want.float().abs() * 2**-7 + 1e-30).all())
+    assert (normed == want).float().mean() > 0.999
+    # The negative control: Llama's arithmetic (the normed row rounded to bf16 before a bf16
+    # weight) is what this op exists not to do.
+    llama = ops.add_rms_norm(want_sum, None, factor.to(BF16), 1e-6)[1]
+    assert (llama != want).float().mean() > 0.05
+
+
+def test_gelu_tanh_mul_is_bitwise_the_torch_ops(ops):
+    gate_up = _bf16(7, 2 * 6912, seed=8, scale=3.0)
+    gate, up = gate_up.split(6912, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    assert torch.equal(ops.gelu_tanh_mul(gate_up), want)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous 1-D float32"):
+        ops.add_rms_norm_f32w(gate.contiguous(), None, torch.ones(6912, dtype=BF16), 1e-6)
+
+
 def test_rows_do_not_depend_on_the_call(ops):
     """Each row computed alone is bitwise the row computed in a bigger call."""
     h, delta, w = _bf16(9, 256, seed=5), _bf16(9, 256, seed=6), _bf16(256, seed=7)

@@ -31,6 +31,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
 std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+std::vector<torch::Tensor> add_rms_norm_f32w(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                             torch::Tensor weight, double eps);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 // cpu_attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Tensor v_slots,
                               torch::Tensor row_seq, torch::Tensor row_index,
@@ -186,6 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "bf16 residual add + RMSNorm");
   m.def("rope_qk", &rope_qk, "bf16 rotate-half RoPE of q and k from the fused qkv projection");
   m.def("silu_mul", &silu_mul, "bf16 silu(gate) * up");
+  m.def("add_rms_norm_f32w", &add_rms_norm_f32w, "bf16 residual add + RMSNorm times a float32 weight, rounded once");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "bf16 gelu_tanh(gate) * up");
   m.def("paged_attention", &paged_attention, "float32 paged attention with a fixed reduction order");
   // cpu_linear.cpp: packed bf16 weights
   m.def("packed_linear_layer", &packed_linear_layer,

@@ -10,6 +10,10 @@
 // - rope_qk: rotate-half RoPE of q and k taken from the fused qkv projection, each product and
 //   the sum rounded to bf16 exactly as the three bf16 tensor ops round (bitwise equal).
 // - silu_mul: PyTorch's silu and multiply called from C++ (bitwise the same result).
+// - add_rms_norm_f32w: add_rms_norm for norms that multiply in float32 by a float32 weight and
+//   round once (Gemma's ``x / rms * (1 + w)``, OLMo 2's ``w * x / rms``): the normed row is not
+//   rounded to bf16 before the weight.
+// - gelu_tanh_mul: PyTorch's tanh-approximated gelu and multiply (Gemma's MLP), as silu_mul.
 //
 // Every row is computed on its own, so results do not depend on how many rows share a call.
 #include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
@@ -99,6 +103,61 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
     }
   });
   return {summed, normed};
+}
+
+// h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] float32.
+// Returns (h + delta, bf16((x / rms(x)) * weight) with x = h + delta), both [T, H] bf16.
+std::vector<torch::Tensor> add_rms_norm_f32w(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                             torch::Tensor weight, double eps) {
+  check_bf16(h, "h", 2);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 && weight.is_contiguous(),
+              "weight must be a contiguous 1-D float32 tensor");
+  const int64_t T = h.size(0), H = h.size(1);
+  TORCH_CHECK(weight.size(0) == H, "weight must be [hidden]");
+  torch::Tensor summed = h;
+  if (delta.has_value()) {
+    check_bf16(*delta, "delta", 2);
+    TORCH_CHECK(delta->sizes() == h.sizes(), "delta must have h's shape");
+    summed = torch::empty_like(h);
+  }
+  auto normed = torch::empty_like(h);
+  const uint16_t* hp = bf16_ptr(h);
+  const uint16_t* dp = delta.has_value() ? bf16_ptr(*delta) : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  uint16_t* sp = bf16_ptr_mut(summed);
+  uint16_t* np = bf16_ptr_mut(normed);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> row(H);
+    for (int64_t t = t0; t < t1; ++t) {
+      double ss = 0.0;
+      for (int64_t i = 0; i < H; ++i) {
+        float x = bf16_to_float(hp[t * H + i]);
+        if (dp != nullptr) {
+          const uint16_t s = float_to_bf16(x + bf16_to_float(dp[t * H + i]));
+          sp[t * H + i] = s;
+          x = bf16_to_float(s);
+        }
+        row[i] = x;
+        ss += static_cast<double>(x) * x;
+      }
+      const float mean = static_cast<float>(ss / static_cast<double>(H));
+      const float r = 1.0f / std::sqrt(mean + feps);
+      for (int64_t i = 0; i < H; ++i) {
+        const float y = row[i] * r;  // float32, as x.float() * rsqrt(...): not rounded to bf16
+        np[t * H + i] = float_to_bf16(y * wp[i]);
+      }
+    }
+  });
+  return {summed, normed};
+}
+
+// gate_up: [T, 2 I] bf16. Returns gelu_tanh(gate) * up, [T, I] bf16 (PyTorch's own ops).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up", 2);
+  const int64_t I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "gate_up width must be even");
+  return at::gelu(gate_up.narrow(1, 0, I), "tanh").mul_(gate_up.narrow(1, I, I));
 }
 
 // qkv: [T, (Hq + 2 Hkv) * D] bf16 (q, k, v side by side); cos, sin: [T, D] bf16.

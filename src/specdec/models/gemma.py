@@ -208,9 +208,19 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
+        self._factor: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, self.weight, self.eps)
+
+    def factor(self) -> torch.Tensor:  # [size] float32
+        """``1 + weight`` in float32, what the norm multiplies by (the fused CPU path's
+        weight); computed once per weight storage and version, not per pass."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if self._factor is None or self._factor[0] != key:
+            self._factor = (key, 1.0 + w.detach().float())
+        return self._factor[1]
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -241,3 +251,62 @@ class GemmaDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(h), cos, sin, layer_kv, backend, plan)
         h = h + self.post_attention_layernorm(attn)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+GELU_TANH = "gelu_pytorch_tanh"  # Gemma's activation, the one the fused CPU path computes
+
+
+def fused_layer_states(
+    layers: nn.ModuleList,  # GemmaDecoderLayer
+    ropes: list[tuple[torch.Tensor, torch.Tensor]],  # per layer cos, sin [num_tokens, 1, head_dim] bf16
+    ops: object,  # the CPU kernel module
+    h: torch.Tensor,  # [num_tokens, hidden] bf16, the scaled embeddings
+    kv: object,  # ModelKV
+    backend: object,
+    plan: object,
+    wanted: set[int],
+) -> dict[int, torch.Tensor]:  # layer index (len(layers): the last output) -> [num_tokens, hidden]
+    """:meth:`LlamaModel.layer_states <specdec.models.llama.LlamaModel.layer_states>` of Gemma
+    layers in bf16 on CPUs with the kernel's fused ops, one call each where the module path
+    takes ~8 tensor ops a norm (four norms a layer, ~1100 ops a Gemma-3-1B token):
+    ``add_rms_norm_f32w`` with ``1 + w`` in float32 (the residual add rounded to bf16, the
+    normed row times the factor in float32, rounded once, as :func:`gemma_rms_norm`),
+    ``rope_qk`` (bitwise the module path's RoPE) and ``gelu_tanh_mul`` (PyTorch's own ops).
+    The post-feedforward output is added by the next layer's input norm (``delta``), as the
+    Llama fused path does."""
+    from specdec.attention.layered import layer_plan
+
+    n = h.shape[0]
+    delta, states = None, {}
+    for i, (layer, (cos, sin)) in enumerate(zip(layers, ropes)):
+        attn, mlp = layer.self_attn, layer.mlp
+        h, x = _fused_norm(ops, h, delta, layer.input_layernorm)
+        if i in wanted:
+            states[i] = h
+        qkv = attn.qkv_proj(x)  # [num_tokens, (Hq + 2 Hkv) * D]
+        if attn.q_norm is not None:  # Gemma 3: per head, before RoPE
+            qkv = _fused_norm_qk(ops, qkv, attn)
+        q, k = ops.rope_qk(qkv, cos.view(n, -1), sin.view(n, -1), attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
+        out = backend.run(layer_plan(plan, i), q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
+        _, a = _fused_norm(ops, attn.o_proj(out.reshape(n, attn.q_size)), None, layer.post_attention_layernorm)
+        h, x = _fused_norm(ops, h, a, layer.pre_feedforward_layernorm)
+        m = mlp.down_proj(ops.gelu_tanh_mul(mlp.gate_up_proj(x)))
+        _, delta = _fused_norm(ops, m, None, layer.post_feedforward_layernorm)
+    states[len(layers)] = h if delta is None else h + delta
+    return states
+
+
+def _fused_norm(ops, h, delta, norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, norm(h + delta))`` [num_tokens, size] bf16 each, one kernel call."""
+    return ops.add_rms_norm_f32w(h, delta, norm.factor(), norm.eps)
+
+
+def _fused_norm_qk(ops, qkv: torch.Tensor, attn: nn.Module) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
+    """Gemma 3's per-head q/k norms on the fused projection, each head a row of the kernel's
+    norm; v as it was."""
+    n, d = qkv.shape[0], attn.head_dim
+    q, k, v = qkv.split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
+    q = _fused_norm(ops, q.reshape(-1, d).contiguous(), None, attn.q_norm)[1]
+    k = _fused_norm(ops, k.reshape(-1, d).contiguous(), None, attn.k_norm)[1]
+    return torch.cat((q.view(n, -1), k.view(n, -1), v), dim=-1)

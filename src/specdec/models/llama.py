@@ -482,6 +482,12 @@ class LlamaModel(nn.Module):
         # kernel) and Llama's layer: a model of another activation, or Gemma's or OLMo 2's
         # layers, runs its layers' own modules.
         lc = self.layer_config
+        if lc.gemma is not None and lc.hidden_act == gemma.GELU_TANH:
+            ops = _fused_ops(embeds)  # Gemma's own fused path: its norms and gelu
+            if ops is not None and hasattr(ops, "add_rms_norm_f32w"):
+                ropes = self.layer_ropes(positions)
+                states = gemma.fused_layer_states(self.layers, ropes, ops, embeds, kv, backend, plan, set(layers))
+                return [states[i] for i in layers]
         fusable = lc.hidden_act in config_checks.SILU_NAMES and lc.gemma is None and not lc.olmo2
         ops = _fused_ops(embeds) if fusable else None
         if ops is None:
@@ -527,8 +533,8 @@ class LlamaModel(nn.Module):
             v = qkv[:, attn.q_size + attn.kv_size :].view(n, attn.num_kv_heads, attn.head_dim)
             out = backend.run(layer_plan(plan, i), q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
             h, x = ops.add_rms_norm(h, attn.o_proj(out.reshape(n, attn.q_size)), norm2.weight, norm2.eps)
-            if isinstance(mlp, qwen3_moe.SparseMoeBlock):  # the experts' own SiLU, as transformers'
-                delta = mlp(x)
+            if isinstance(mlp, qwen3_moe.SparseMoeBlock):  # the experts, their SiLU fused too
+                delta = mlp(x, ops)
             else:
                 delta = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(x)))
         states[len(self.layers)] = h if delta is None else h + delta
