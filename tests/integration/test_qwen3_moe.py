@@ -186,6 +186,12 @@ def test_the_sparse_block_in_bf16_is_transformers_bit_for_bit(norm_topk_prob):
         assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
         assert weights.dtype == torch.bfloat16
         assert torch.equal(ours(x[0]), theirs(x)[0])
+        # A decode row takes the one-token path (no gather/scatter), the kernel's silu_mul too.
+        from specdec.kernels.cpu_linear import load_kernel
+
+        for ops in {None, load_kernel()}:
+            for t in (0, 7, 32):
+                assert torch.equal(ours(x[0, t : t + 1], ops), theirs(x[:, t : t + 1])[0])
 
 
 def test_only_chosen_experts_run_once_each(checkpoint, monkeypatch):
@@ -194,9 +200,9 @@ def test_only_chosen_experts_run_once_each(checkpoint, monkeypatch):
     calls: list[int] = []
     forward = qwen3_moe.Expert.forward
 
-    def counting(self, x):
+    def counting(self, x, ops=None):
         calls.append(x.shape[0])
-        return forward(self, x)
+        return forward(self, x, ops)
 
     monkeypatch.setattr(qwen3_moe.Expert, "forward", counting)
     model, _, _ = load_model(checkpoint()[0], dtype="float64")
@@ -229,7 +235,7 @@ def _softmax_over_top_k(logits, top_k, norm_topk_prob):
     return torch.softmax(top, dim=-1, dtype=torch.float32).to(logits.dtype), experts
 
 
-def _gate_up_swapped(self, x):
+def _gate_up_swapped(self, x, ops=None):
     up, gate = self.gate_up_proj(x).split(self.width, dim=-1)
     return self.down_proj(self.act(gate) * up)
 

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterator
 import attrs
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from specdec.models.config_checks import unsupported
 
@@ -140,8 +141,13 @@ class Expert(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * width, bias=False)
         self.down_proj = nn.Linear(width, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, hidden] -> [rows, hidden]
-        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
+    def forward(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:  # [rows, hidden] -> same
+        """``ops``: the CPU kernel module on the fused bf16 path, whose ``silu_mul`` is bitwise
+        ``silu(gate) * up`` in one call (SiLU experts only)."""
+        gate_up = self.gate_up_proj(x)
+        if ops is not None and self.act is F.silu:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.width, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -165,8 +171,11 @@ class SparseMoeBlock(nn.Module):
             for _ in range(traits.num_experts)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+    def forward(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        """``ops``: as :meth:`Expert.forward`."""
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
+        if x.shape[0] == 1:  # a decode row: its k experts in ascending order, no gather/scatter
+            return self._one_token(x, weights[0], experts[0], ops)
         flat = experts.reshape(-1)  # [T * k]: token t's slots at t * k .. t * k + k - 1
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs grouped by expert
         tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]  # [T * k] each
@@ -178,10 +187,19 @@ class SparseMoeBlock(nn.Module):
             if count == 0:
                 continue  # no token chose it: it does not run
             rows = tokens[start : start + count]  # [count] int64, distinct
-            scaled = expert(x.index_select(0, rows)) * slot_weights[start : start + count, None]
+            scaled = expert(x.index_select(0, rows), ops) * slot_weights[start : start + count, None]
             # In the model's dtype, experts in ascending order: transformers' eager accumulation.
             out.index_add_(0, rows, scaled)
             start += count
+        return out
+
+    def _one_token(self, x, weights, experts, ops) -> torch.Tensor:  # x [1, hidden] -> [1, hidden]
+        """:meth:`forward` of one token: the same sums in the same order (ascending expert, in
+        the model's dtype, from zero), bitwise; ``weights``/``experts`` [k]."""
+        order = torch.argsort(experts)
+        out = torch.zeros_like(x)
+        for e, w in zip(experts[order].tolist(), weights[order]):  # the one host read
+            out.add_(self.experts[e](x, ops) * w)
         return out
 
 
