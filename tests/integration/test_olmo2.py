@@ -237,25 +237,34 @@ def test_norm_and_rope_in_bf16_are_transformers_bit_for_bit():
     assert not torch.equal(llama_q, want_q[0].transpose(0, 1))
 
 
-def test_logits_match_transformers_bf16_without_the_fused_paths(checkpoint, kernel, monkeypatch):
-    """Packed bf16 linears and the CPU backend's attention kernel; the fused per-layer ops and
-    the whole-stack kernel compute Llama's layer and are never entered."""
-    from specdec.models import cpu_decoder
+def test_logits_match_transformers_bf16_through_olmo2s_fused_path(checkpoint, kernel, monkeypatch):
+    """Packed bf16 linears and the CPU backend's attention kernel through OLMo 2's own fused
+    per-layer ops (:func:`specdec.models.olmo2.fused_layer_states`: its norms); Llama's fused
+    per-layer ops and the whole-stack kernel compute Llama's layer and are never entered. The
+    fused path equals the layers' own modules within bf16 noise."""
+    from specdec.models import cpu_decoder, olmo2
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("a fused CPU path ran an OLMo 2 layer")
+        raise AssertionError("a Llama fused CPU path ran an OLMo 2 layer")
 
     monkeypatch.setattr(cpu_decoder, "run_stack", forbidden)
     monkeypatch.setattr(llama.LlamaModel, "_fused_layer_states", forbidden)
+    calls = []
+    fused = olmo2.fused_layer_states
+    monkeypatch.setattr(olmo2, "fused_layer_states", lambda *a: calls.append(1) or fused(*a))
     path, hf = checkpoint()
     model, _, _ = load_model(path, dtype="bfloat16")  # packed
     prompts = _prompts(4, seed=3)
     ref = bf16_reference(hf)
     ours = _cpu_prefill_logits(model, prompts)
+    assert calls  # OLMo 2's fused path ran
     errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     assert max(errors) < BF16_TOL, errors
     reference_attention = ragged_prefill_logits(model, prompts)  # the torch backend
     for a, b in zip(ours, reference_attention):
+        assert bf16_error(a, b) < 0.02
+    monkeypatch.setattr(llama, "_fused_ops", lambda embeds: None)  # the layers' own modules
+    for a, b in zip(ours, _cpu_prefill_logits(model, prompts)):
         assert bf16_error(a, b) < 0.02
 
 

@@ -488,6 +488,12 @@ class LlamaModel(nn.Module):
                 ropes = self.layer_ropes(positions)
                 states = gemma.fused_layer_states(self.layers, ropes, ops, embeds, kv, backend, plan, set(layers))
                 return [states[i] for i in layers]
+        if lc.olmo2 and lc.hidden_act in config_checks.SILU_NAMES:
+            ops = _fused_ops(embeds)  # OLMo 2's own fused path: its norms
+            if ops is not None and hasattr(ops, "add_rms_norm_f32w"):
+                cos, sin = self.layer_ropes(positions)[0]  # float32 tables, every layer
+                states = olmo2.fused_layer_states(self.layers, cos, sin, ops, embeds, kv, backend, plan, set(layers))
+                return [states[i] for i in layers]
         fusable = lc.hidden_act in config_checks.SILU_NAMES and lc.gemma is None and not lc.olmo2
         ops = _fused_ops(embeds) if fusable else None
         if ops is None:

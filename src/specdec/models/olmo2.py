@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Olmo2Attention", "Olmo2DecoderLayer", "Olmo2RMSNorm", "olmo2_rms_norm", "rotate"]
+__all__ = ["Olmo2Attention", "Olmo2DecoderLayer", "Olmo2RMSNorm", "fused_layer_states", "olmo2_rms_norm", "rotate"]
 
 
 def olmo2_rms_norm(
@@ -84,6 +84,15 @@ class Olmo2RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return olmo2_rms_norm(x, self.weight, self.eps)
+
+    def factor(self) -> torch.Tensor:  # [size] float32
+        """The weight in float32, what the norm multiplies by (the fused CPU path's weight);
+        computed once per weight storage and version, not per pass."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_factor", None) is None or self._factor[0] != key:
+            self._factor = (key, w.detach().float())
+        return self._factor[1]
 
 
 class Olmo2Attention(nn.Module):
@@ -149,3 +158,45 @@ class Olmo2DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, layer_kv, backend, plan))
         return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+def fused_layer_states(
+    layers: nn.ModuleList,  # Olmo2DecoderLayer
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim] float32 (see rotate)
+    sin: torch.Tensor,
+    ops: object,  # the CPU kernel module
+    h: torch.Tensor,  # [num_tokens, hidden] bf16, the embeddings
+    kv: object,  # ModelKV
+    backend: object,
+    plan: object,
+    wanted: set[int],
+) -> dict[int, torch.Tensor]:  # layer index (len(layers): the last output) -> [num_tokens, hidden]
+    """:meth:`LlamaModel.layer_states <specdec.models.llama.LlamaModel.layer_states>` of OLMo 2
+    layers in bf16 on CPUs with the kernel's fused ops: each of the four norms (q, k, the two
+    post norms) one ``add_rms_norm_f32w`` call (the weight times ``x / rms`` in float32, rounded
+    once, as :func:`olmo2_rms_norm`) and the MLP's ``silu_mul``, where the modules take ~8 tensor
+    ops a norm; RoPE stays :func:`rotate` (float32 tables)."""
+    from specdec.attention.layered import layer_plan
+
+    n = h.shape[0]
+    states = {}
+    for i, layer in enumerate(layers):
+        if i in wanted:
+            states[i] = h
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = attn.qkv_proj(h).split((attn.q_size, attn.kv_size, attn.kv_size), dim=-1)
+        q = _norm(ops, q.contiguous(), attn.q_norm)  # whole projections: every head's channels
+        k = _norm(ops, k.contiguous(), attn.k_norm)
+        q = rotate(q.view(n, attn.num_heads, attn.head_dim), cos, sin)
+        k = rotate(k.view(n, attn.num_kv_heads, attn.head_dim), cos, sin)
+        v = v.view(n, attn.num_kv_heads, attn.head_dim)
+        out = backend.run(layer_plan(plan, i), q, k, v, *kv.layer(i))  # [num_tokens, Hq, D]
+        h = h + _norm(ops, attn.o_proj(out.reshape(n, attn.q_size)), layer.post_attention_layernorm)
+        m = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))
+        h = h + _norm(ops, m, layer.post_feedforward_layernorm)
+    states[len(layers)] = h
+    return states
+
+
+def _norm(ops, x: torch.Tensor, norm: Olmo2RMSNorm) -> torch.Tensor:  # [num_tokens, size] bf16
+    return ops.add_rms_norm_f32w(x, None, norm.factor(), norm.eps)[1]
