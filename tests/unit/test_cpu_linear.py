@@ -241,3 +241,37 @@ def test_disable_avx512_keeps_bf16_on_the_fma_path(monkeypatch):
             fn.cache_clear()
     assert not cpu_linear.avx512_disabled() and cpu_linear.bf16_dot_mode() == -1
     assert cpu_linear.vnni_mode() == -1
+
+
+@pytest.mark.parametrize("quantization", [None, "q4"])
+def test_replacing_the_linears_frees_each_old_one_as_it_goes(monkeypatch, quantization):
+    """Packing or quantizing holds at most a layer or two of the old weights at once, not the
+    whole model (a 7B bf16 model would need twice its memory to load)."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from specdec.models import packed, quantized
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)) for _ in range(8)])
+    model = model.to(torch.bfloat16)
+    olds = [weakref.ref(m) for m in model.modules() if isinstance(m, nn.Linear)]
+    alive: list[int] = []
+    cls = packed.PackedLinear if quantization is None else quantized.Q4Linear
+    original = cls.__init__
+
+    def counting(self, *args, **kwargs):
+        gc.collect()
+        alive.append(sum(r() is not None for r in olds))
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", counting)
+    if quantization is None:
+        packed.pack_linears(model)
+    else:
+        quantized.quantize_linears(model, quantization)
+    # Before the i-th new layer, 16 - i old ones are still to be replaced; at most one sibling
+    # more is alive (its parent's list of children). Holding them all would leave 16 each time.
+    assert len(alive) == 16
+    assert all(a <= 16 - i + 1 for i, a in enumerate(alive)), alive

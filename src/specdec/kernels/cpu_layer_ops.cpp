@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -59,14 +60,16 @@ void check_bf16(const torch::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
-// h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] bf16.
-// Returns (h + delta, rms_norm(h + delta) * weight), both [T, H] bf16.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                        torch::Tensor weight, double eps) {
+namespace {
+
+// add_rms_norm's arithmetic; Weight: uint16_t (bf16: the normed row rounded to bf16, then times
+// the weight) or float (float32: the normed row times the weight in float32, rounded once).
+template <typename Weight>
+std::vector<torch::Tensor> add_rms_norm_impl(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                             const Weight* wp, int64_t weight_size, double eps) {
   check_bf16(h, "h", 2);
-  check_bf16(weight, "weight", 1);
   const int64_t T = h.size(0), H = h.size(1);
-  TORCH_CHECK(weight.size(0) == H, "weight must be [hidden]");
+  TORCH_CHECK(weight_size == H, "weight must be [hidden]");
   torch::Tensor summed = h;
   if (delta.has_value()) {
     check_bf16(*delta, "delta", 2);
@@ -76,7 +79,6 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
   auto normed = torch::empty_like(h);
   const uint16_t* hp = bf16_ptr(h);
   const uint16_t* dp = delta.has_value() ? bf16_ptr(*delta) : nullptr;
-  const uint16_t* wp = bf16_ptr(weight);
   uint16_t* sp = bf16_ptr_mut(summed);
   uint16_t* np = bf16_ptr_mut(normed);
   const float feps = static_cast<float>(eps);
@@ -97,59 +99,34 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
       const float mean = static_cast<float>(ss / static_cast<double>(H));
       const float r = 1.0f / std::sqrt(mean + feps);
       for (int64_t i = 0; i < H; ++i) {
-        const float y = round_bf16(row[i] * r);
-        np[t * H + i] = float_to_bf16(bf16_to_float(wp[i]) * y);
+        if constexpr (std::is_same_v<Weight, float>) {
+          np[t * H + i] = float_to_bf16((row[i] * r) * wp[i]);  // as x.float() * rsqrt(...) * w
+        } else {
+          np[t * H + i] = float_to_bf16(bf16_to_float(wp[i]) * round_bf16(row[i] * r));
+        }
       }
     }
   });
   return {summed, normed};
 }
 
+}  // namespace
+
+// h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] bf16.
+// Returns (h + delta, rms_norm(h + delta) * weight), both [T, H] bf16.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps) {
+  check_bf16(weight, "weight", 1);
+  return add_rms_norm_impl(h, delta, bf16_ptr(weight), weight.size(0), eps);
+}
+
 // h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] float32.
 // Returns (h + delta, bf16((x / rms(x)) * weight) with x = h + delta), both [T, H] bf16.
 std::vector<torch::Tensor> add_rms_norm_f32w(torch::Tensor h, c10::optional<torch::Tensor> delta,
                                              torch::Tensor weight, double eps) {
-  check_bf16(h, "h", 2);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 && weight.is_contiguous(),
               "weight must be a contiguous 1-D float32 tensor");
-  const int64_t T = h.size(0), H = h.size(1);
-  TORCH_CHECK(weight.size(0) == H, "weight must be [hidden]");
-  torch::Tensor summed = h;
-  if (delta.has_value()) {
-    check_bf16(*delta, "delta", 2);
-    TORCH_CHECK(delta->sizes() == h.sizes(), "delta must have h's shape");
-    summed = torch::empty_like(h);
-  }
-  auto normed = torch::empty_like(h);
-  const uint16_t* hp = bf16_ptr(h);
-  const uint16_t* dp = delta.has_value() ? bf16_ptr(*delta) : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  uint16_t* sp = bf16_ptr_mut(summed);
-  uint16_t* np = bf16_ptr_mut(normed);
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<float> row(H);
-    for (int64_t t = t0; t < t1; ++t) {
-      double ss = 0.0;
-      for (int64_t i = 0; i < H; ++i) {
-        float x = bf16_to_float(hp[t * H + i]);
-        if (dp != nullptr) {
-          const uint16_t s = float_to_bf16(x + bf16_to_float(dp[t * H + i]));
-          sp[t * H + i] = s;
-          x = bf16_to_float(s);
-        }
-        row[i] = x;
-        ss += static_cast<double>(x) * x;
-      }
-      const float mean = static_cast<float>(ss / static_cast<double>(H));
-      const float r = 1.0f / std::sqrt(mean + feps);
-      for (int64_t i = 0; i < H; ++i) {
-        const float y = row[i] * r;  // float32, as x.float() * rsqrt(...): not rounded to bf16
-        np[t * H + i] = float_to_bf16(y * wp[i]);
-      }
-    }
-  });
-  return {summed, normed};
+  return add_rms_norm_impl(h, delta, weight.data_ptr<float>(), weight.size(0), eps);
 }
 
 // gate_up: [T, 2 I] bf16. Returns gelu_tanh(gate) * up, [T, I] bf16 (PyTorch's own ops).

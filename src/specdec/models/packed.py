@@ -47,13 +47,21 @@ def should_pack(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every bf16 ``nn.Linear`` (LM head included) by a :class:`PackedLinear`, in place."""
-    for name, module in list(model.named_modules()):
+    for name, module in parent_modules(model):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
                 is_head = f"{name}.{child_name}".lstrip(".") == "lm_head"
                 out_dtype = torch.float32 if is_head else child.weight.dtype
                 setattr(module, child_name, PackedLinear(child, out_dtype))
     return model
+
+
+def parent_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without the linear layers themselves, for loops that replace
+    them: a list holding the old layers would keep every replaced weight alive to its end (the
+    whole model twice in memory while packing or quantizing)."""
+    leaves = (nn.Linear, PackedLinear)
+    return [(name, m) for name, m in model.named_modules() if not isinstance(m, leaves)]
 
 
 def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -26,7 +26,7 @@ from specdec.kernels.cpu_q4 import (
     quantize_q4,
     unpack_q4,
 )
-from specdec.models.packed import PackedLinear, linear_weights
+from specdec.models.packed import PackedLinear, linear_weights, parent_modules
 
 __all__ = [
     "Int8Linear",
@@ -164,7 +164,7 @@ def quantize_linears(
     check_quantization(quantization, "cpu")
     cls = _CLASSES[quantization]
     codes = codes or {}
-    for name, module in list(model.named_modules()):
+    for name, module in parent_modules(model):  # replaced layers freed as the loop goes
         for child_name, child in list(module.named_children()):
             if isinstance(child, (nn.Linear, PackedLinear)):
                 weight, bias = linear_weights(child)
