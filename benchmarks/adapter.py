@@ -23,6 +23,7 @@ Writes ``benchmarks/results/adapter-<UTC stamp>.json`` (and ``-latest``):
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def run_model(name: str, args) -> dict:
     hf, systems, prompts, described = build(name, args)
     names = ("hf-generate", *systems)
     run = {"hf-generate": lambda p, n: hf_run(hf, p, n)}
-    run.update({s: (lambda g: lambda p, n: specdec_run(g, p, n))(g) for s, g in systems.items()})
+    run.update({s: functools.partial(specdec_run, g) for s, g in systems.items()})
     for s in names:  # warm-up
         run[s](prompts[0], 4)
     rows = []

@@ -220,6 +220,24 @@ def coin_rule(seed: int):
     return CoinRule()
 
 
+def saved_checkpoints(tmp_path_factory, make, prefix: str = ""):
+    """A module fixture's factory: ``(kind, role) -> (directory saved by transformers, its
+    model)``, each built once by ``make(kind, draft_of=None)``; role ``"draft"`` is
+    ``make(kind, draft_of=<that kind's target>)``, a noisy copy of the target."""
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def build(kind: str = "base", role: str = "target"):
+        if (kind, role) not in cache:
+            base = build(kind)[1] if role == "draft" else None
+            hf = make(kind, draft_of=base)
+            path = tmp_path_factory.mktemp(f"{prefix}{kind}-{role}")
+            hf.save_pretrained(path, safe_serialization=True)
+            cache[kind, role] = (path, hf)
+        return cache[kind, role]
+
+    return build
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy tokens after ``prompt`` (``n`` of them, EOS not special; the
     model's generation_config is left as it is)."""

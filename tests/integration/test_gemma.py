@@ -32,6 +32,7 @@ from helpers import (
     hf_logits,
     ragged_prefill_logits,
     random_prompts,
+    saved_checkpoints,
 )
 
 from specdec import Generator, SamplingParams
@@ -99,18 +100,10 @@ def make_gemma(family: str, seed: int = 0, *, draft_of=None):
 def checkpoint(tmp_path_factory):
     """(family, role) -> (directory saved by transformers, its model); role "draft" is a noisy
     copy of the target."""
-    cache: dict[tuple[str, str], tuple] = {}
+    def make(family: str, draft_of=None):
+        return make_gemma(family, seed=7 if draft_of is not None else 0, draft_of=draft_of)
 
-    def build(family: str, role: str = "target"):
-        if (family, role) not in cache:
-            base = build(family)[1] if role == "draft" else None
-            hf = make_gemma(family, seed=7 if base else 0, draft_of=base)
-            path = tmp_path_factory.mktemp(f"{family}-{role}")
-            hf.save_pretrained(path, safe_serialization=True)
-            cache[family, role] = (path, hf)
-        return cache[family, role]
-
-    return build
+    return saved_checkpoints(tmp_path_factory, make)
 
 
 def _prompts(n: int, seed: int, lengths: tuple[int, int] = (8, 21)) -> list[list[int]]:

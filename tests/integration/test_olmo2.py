@@ -33,6 +33,7 @@ from helpers import (
     hf_logits,
     ragged_prefill_logits,
     random_prompts,
+    saved_checkpoints,
 )
 
 from specdec import Generator, SamplingParams
@@ -99,18 +100,7 @@ def make_olmo2(variant: str = "base", seed: int = 0, *, draft_of=None, dtype=F64
 def checkpoint(tmp_path_factory):
     """(variant, role) -> (directory saved by transformers, its model); role "draft" is a noisy
     copy of the target."""
-    cache: dict[tuple[str, str], tuple] = {}
-
-    def build(variant: str = "base", role: str = "target"):
-        if (variant, role) not in cache:
-            base = build(variant)[1] if role == "draft" else None
-            hf = make_olmo2(variant, draft_of=base)
-            path = tmp_path_factory.mktemp(f"olmo2-{variant}-{role}")
-            hf.save_pretrained(path, safe_serialization=True)
-            cache[variant, role] = (path, hf)
-        return cache[variant, role]
-
-    return build
+    return saved_checkpoints(tmp_path_factory, make_olmo2, "olmo2-")
 
 
 def _prompts(n: int, seed: int, lengths: tuple[int, int] = (8, 21)) -> list[list[int]]:

@@ -21,9 +21,9 @@ from helpers import (
 )
 
 from specdec import CacheConfig, Generator, SamplingParams
-from specdec.proposers.chain_drafting import ChainProposerConfig
 from specdec.models.hf_adapter import TransformersAdapter
 from specdec.proposers import DraftModel, MTPHead, PromptLookup, SuffixDecoding, SuffixHybrid
+from specdec.proposers.chain_drafting import ChainProposerConfig
 
 VOCAB = 97
 
@@ -63,7 +63,7 @@ def build(kind: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = BUILDERS[kind]().to(torch.float64).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(10.0)  # the 0.02 init gives near-uniform logits
     return model
