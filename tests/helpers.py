@@ -238,6 +238,27 @@ def saved_checkpoints(tmp_path_factory, make, prefix: str = ""):
     return build
 
 
+def gguf_writer(path, arch: str, cfg, *, head_dim: bool = False):
+    """A ``gguf.GGUFWriter`` for ``arch`` holding the keys every family's file has, read from the
+    transformers config ``cfg`` (name, context, widths, block and head counts, RMSNorm eps;
+    ``head_dim``: the key and value lengths too); the caller adds the family's own keys."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    if head_dim:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return writer
+
+
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy tokens after ``prompt`` (``n`` of them, EOS not special; the
     model's generation_config is left as it is)."""

@@ -28,6 +28,7 @@ from helpers import (
     bf16_error,
     bf16_reference,
     cpu_prefill_logits,
+    gguf_writer,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -392,17 +393,7 @@ def write_gemma_gguf(path, model, qtype) -> None:
 
     cfg = model.config
     arch = "gemma2" if cfg.model_type == "gemma2" else "gemma3"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = gguf_writer(path, arch, cfg, head_dim=True)
     writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])

@@ -29,6 +29,7 @@ from helpers import (
     bf16_error,
     bf16_reference,
     cpu_prefill_logits,
+    gguf_writer,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -402,16 +403,8 @@ def write_olmo2_gguf(path, model, qtype) -> None:
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "olmo2")
-    writer.add_name("tiny-olmo2")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = gguf_writer(path, "olmo2", cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "f32" else gguf.LlamaFileType.MOSTLY_Q4_0)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

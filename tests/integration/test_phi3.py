@@ -36,6 +36,7 @@ from helpers import (
     bf16_error,
     bf16_reference,
     cpu_prefill_logits,
+    gguf_writer,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -488,16 +489,8 @@ def write_phi3_gguf(path, model, qtype) -> None:
 
     cfg = model.config
     params = cfg.rope_parameters
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_name("tiny-phi3")
-    writer.add_context_length(cfg.max_position_embeddings)
+    writer = gguf_writer(path, "phi3", cfg)
     writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_dimension_count(
         int(params["partial_rotary_factor"] * cfg.hidden_size) // cfg.num_attention_heads
     )

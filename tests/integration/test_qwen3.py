@@ -24,6 +24,7 @@ from helpers import (
     assert_greedy_as_transformers,
     bf16_error,
     bf16_reference,
+    gguf_writer,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -464,19 +465,8 @@ def write_qwen3_gguf(path, model, qtype, *, key_length: bool = True, extra=None)
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_name("tiny-qwen3")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = gguf_writer(path, "qwen3", cfg, head_dim=key_length)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if key_length:
-        writer.add_key_length(cfg.head_dim)
-        writer.add_value_length(cfg.head_dim)
     for key, value in (extra or {}).items():
         writer.add_string(key, value)
     writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])

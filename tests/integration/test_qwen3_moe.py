@@ -32,6 +32,7 @@ from helpers import (
     bf16_error,
     bf16_reference,
     cpu_prefill_logits,
+    gguf_writer,
     hf_greedy,
     hf_logits,
     ragged_prefill_logits,
@@ -479,18 +480,8 @@ def write_qwen3_moe_gguf(path, model) -> None:
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_name("tiny-qwen3moe")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    writer = gguf_writer(path, "qwen3moe", cfg, head_dim=True)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_expert_count(cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
