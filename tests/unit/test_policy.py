@@ -437,12 +437,17 @@ def test_cost_curve_optimistic_prices_unmeasured_buckets_from_below():
     assert curve.estimate(5, optimistic=True) == convex(1)
     curve.observe(5, convex(5))
     assert curve.estimate(5, optimistic=True) == pytest.approx(convex(5))
-    assert curve.estimate(6, optimistic=True) == pytest.approx(convex(5))  # 6 rows: not measured
+    # 6 rows, not measured: 5 rows' cost grown along the chord from 1 to 5 rows, a lower bound.
+    assert curve.estimate(6, optimistic=True) == pytest.approx(convex(5) + (convex(5) - convex(1)) / 4)
+    assert convex(5) < curve.estimate(6, optimistic=True) <= convex(6) + 1e-12
+    # 15 rows priced like 5 would make a batch of 4 draft 11 tokens "for free" (the old flat rule).
+    assert curve.estimate(15, optimistic=True) > convex(5) + 9 * 0.018 - 1e-9
     curve.observe(20, convex(20))
     assert curve.estimate(24, optimistic=True) == curve.estimate(24)  # same bucket (16-31): measured
     assert curve.estimate(64, optimistic=True) == curve.estimate(64)  # between 20 and 150: the chord
     assert curve.estimate(200, optimistic=True) == curve.estimate(200)  # 150's bucket: measured
-    assert curve.estimate(300, optimistic=True) == pytest.approx(convex(150))  # above all: flat
+    # Above all: 150's cost grown along the chord from 1 to 150 rows (below the convex cost).
+    assert convex(150) < curve.estimate(300, optimistic=True) < convex(300)
     assert curve.estimate(300) > convex(150)  # (not optimistic: as configured, proportional)
     assert curve.measured_at(5) and not curve.measured_at(9) and not curve.measured_at(0.5)
 
