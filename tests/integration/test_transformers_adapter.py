@@ -145,6 +145,33 @@ def test_the_callers_model_runs_without_a_copy_and_stays_usable(tmp_path):
     assert all(torch.equal(hf.state_dict()[k], v) for k, v in before.items())
 
 
+def test_generators_sharing_a_target_step_in_threads_exactly():
+    """Two generators over one adapter (``with_proposer``) stepping in two threads: the
+    attention switch is the model object's, so passes over it are serialised (one lock per
+    object, shared by every adapter over it)."""
+    import threading
+
+    hf = build("gpt2")
+    target = TransformersAdapter(hf)
+    assert TransformersAdapter(hf)._lock is target._lock
+    plain = Generator.from_components(target)
+    other = plain.with_proposer(PromptLookup(3), policy=3)
+    ps = prompts()
+    want = [hf_greedy(hf, p, 16) for p in ps]
+    got: dict[int, list] = {}
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    def run(i, gen):
+        got[i] = [o.token_ids for o in gen.generate(ps, params)]
+
+    threads = [threading.Thread(target=run, args=(i, g)) for i, g in enumerate((plain, other, plain, other))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got[i] == want for i in range(4))
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

@@ -22,7 +22,9 @@ which path runs.
 
 The attention implementation is switched to :data:`ATTENTION` for the duration of each pass
 only and restored after it, so the caller's model keeps working as before between passes (do
-not run the same object elsewhere *during* a generate call). The pass's page pool, backend
+not run the same object elsewhere *during* a generate call). Passes over one model object are
+serialised by a lock kept with the object: two generators sharing a target
+(``with_proposer``) may step in two threads, and the switch is the object's, not the thread's. The pass's page pool, backend
 and plan reach :func:`paged_attention` through a context variable: transformers calls the
 attention function by name from inside its modules, and not every model forwards keyword
 arguments down to it (Falcon's layers do not); a context variable is scoped to the call, the
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import threading
 from collections.abc import Iterator
 
 import attrs
@@ -191,6 +194,7 @@ class TransformersAdapter(torch.nn.Module):
         super().__init__()
         _check_model(hf_model)
         register_attention()
+        self._lock = pass_lock(hf_model)
         self.hf_model = hf_model.eval()
         self._keeps_logits = "logits_to_keep" in inspect.signature(hf_model.forward).parameters
         self.config = _read_config(hf_model, _probe(hf_model))
@@ -235,7 +239,7 @@ class TransformersAdapter(torch.nn.Module):
         kwargs = {}
         if logits_indices is not None and self._keeps_logits:
             kwargs["logits_to_keep"] = logits_indices
-        with _attention_implementation(self.hf_model.config, call):
+        with self._lock, _attention_implementation(self.hf_model.config, call):
             out = self.hf_model(input_ids=layout.token_ids[None], position_ids=layout.positions[None],
                                 use_cache=False, **kwargs)  # fmt: skip
         if sorted(call.seen) != list(range(self.config.num_layers)):
@@ -245,6 +249,32 @@ class TransformersAdapter(torch.nn.Module):
         if logits_indices is not None and not self._keeps_logits:
             logits = logits.index_select(0, logits_indices)
         return ModelOutput(logits=logits if logits.dtype == torch.float64 else logits.float())
+
+
+class _PassLock:
+    """A re-entrant lock that a copy or a pickle of its model object does not share (a copied
+    model is another object: it gets a lock of its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def __deepcopy__(self, memo: dict) -> _PassLock:
+        return _PassLock()
+
+    def __reduce__(self) -> tuple:
+        return (_PassLock, ())
+
+
+def pass_lock(hf_model: torch.nn.Module) -> _PassLock:
+    """The lock serialising specdec passes over ``hf_model`` (kept in the object, so every
+    adapter over it shares one)."""
+    return hf_model.__dict__.setdefault("_specdec_pass_lock", _PassLock())
 
 
 def _check_model(hf_model: torch.nn.Module) -> None:
@@ -274,7 +304,7 @@ def _probe(hf_model: torch.nn.Module) -> _Pass:
     call = _Pass(kv=None, backend=None, plan=None, spec=None)
     ids = torch.zeros((1, 1), dtype=torch.int64, device=hf_model.device)
     try:
-        with torch.inference_mode(), _attention_implementation(hf_model.config, call):
+        with pass_lock(hf_model), torch.inference_mode(), _attention_implementation(hf_model.config, call):
             out = hf_model(input_ids=ids, position_ids=ids, use_cache=False)
     except ValueError:
         raise
