@@ -27,6 +27,7 @@ from specdec.interfaces import (
     KindRules,
     ProposeContext,
     Proposer,
+    ReportsLag,
     Sampler,
     Scheduler,
     SharesCachedPrefix,
@@ -269,6 +270,17 @@ class Engine:
     def _unseen(self, reqs: Sequence[Request]) -> tuple[int, ...]:
         return tuple(len(r.token_ids) - self._seen.get(r.seq_id, 0) for r in reqs)
 
+    def _lags(self, reqs: Sequence[Request], rows: Sequence[int], *, drafted: bool = False) -> list[int]:
+        """How far the proposer is behind each of ``reqs[rows]``: its own count where it keeps
+        one (:class:`ReportsLag`), else the engine's, for which a ``propose`` call (``drafted``)
+        catches every request it drafts for up."""
+        if isinstance(self.proposer, ReportsLag):
+            return [self.proposer.lag(reqs[i].seq_id, len(reqs[i].token_ids)) for i in rows]
+        if drafted:
+            return [0] * len(rows)
+        unseen = self._unseen(reqs)
+        return [unseen[i] for i in rows]
+
     def _draft(
         self,
         reqs: Sequence[Request],
@@ -282,7 +294,7 @@ class Engine:
         read in one device-to-host copy."""
         lookahead = max(ks)
         drafting = [i for i, k in enumerate(ks) if k > 0]
-        unseen = self._unseen(reqs)
+        lag_before = self._lags(reqs, drafting)
         start = self._clock()
         proposal = self.proposer.propose(
             ProposeContext(
@@ -305,8 +317,9 @@ class Engine:
         drafted, tree = rules.read_drafts(proposal)  # the step's one read of the drafts
         timing.draft_s = self._clock() - start
         steps = rules.propose_steps(proposal, lookahead)
+        lag_after = self._lags(reqs, drafting, drafted=True)
         self.policy.observe_propose(
-            len(drafting), steps, timing.draft_s, sum(unseen[i] for i in drafting)
+            len(drafting), steps, timing.draft_s, sum(b - a for b, a in zip(lag_before, lag_after))
         )
         proposal = _spread(proposal, drafting, len(reqs))
         drafts = [[PAD_TOKEN_ID] * proposal.width for _ in reqs]

@@ -39,6 +39,7 @@ __all__ = [
     "RequestEnd",
     "TargetStep",
     "TracksRequests",
+    "ReportsLag",
     "UsesTargetTokenizer",
     "Verifier",
     "Sampler",
@@ -270,6 +271,27 @@ class TracksRequests(Protocol):
 
     def on_request_end(self, seq_id: int, reason: RequestEnd) -> None:
         """``seq_id`` stopped being decoded for ``reason``."""
+        ...
+
+
+@runtime_checkable
+class ReportsLag(Protocol):
+    """A proposer capability: how far a stateful proposer is behind a request's history.
+
+    A draft model runs, before it drafts, every token of the history it has not run yet (a new
+    request's prompt; what was emitted while it did not draft): its catch-up. The engine asks
+    before and after each ``propose`` and tells the policy the difference, the tokens this call
+    really caught up on. It cannot know that itself when the proposer chooses per request
+    whether its model runs (:class:`~specdec.proposers.SuffixHybrid`: a request its suffix tree
+    drafts catches up on nothing); counted as caught up, those tokens once priced a draft
+    model's catch-up at a quarter of its cost. Proposers without the method are counted by the
+    engine (``SpeculationContext.unseen``).
+    """
+
+    def lag(self, seq_id: int, num_tokens: int) -> int:
+        """Tokens of the request's ``num_tokens``-token history not run yet, beyond those a
+        drafting step runs anyway (the newest, and after a step that accepted every draft the
+        last draft, which was never run): 0 for a request that drafted on its last step."""
         ...
 
 

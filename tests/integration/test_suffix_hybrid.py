@@ -79,6 +79,47 @@ def test_preemption_keeps_outputs(stories):
     assert stats["num_used_pages"] == 0
 
 
+class _Recording(FixedPolicy):
+    """FixedPolicy that keeps the catch-up each ``propose`` call is reported to have done."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.caught_up: list[int] = []
+
+    def observe_propose(self, batch: int, width: int, seconds: float, unseen: int) -> None:
+        self.caught_up.append(unseen)
+
+
+def test_the_policy_is_told_the_catch_up_the_draft_model_did(stories):
+    """Only the model catches up: a step whose drafts all came from suffix trees ran nothing,
+    and a request's first model step runs its whole prompt. The engine alone (every request
+    in a ``propose`` call caught up) reported a repeated prompt's first, suffix-drafted step
+    as a whole prompt of catch-up, and priced a draft model's catch-up at a fraction of it."""
+    target, draft, tok = stories
+    policy = _Recording(8)
+    hybrid = SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=4),
+                          SuffixDecoding(num_speculative_tokens=8))  # fmt: skip
+    gen = Generator.from_components(target, tok, proposer=hybrid, policy=policy)
+    model_called: list[bool] = []
+    propose = hybrid.propose
+
+    def tracking(ctx):
+        before = hybrid.num_model_steps
+        out = propose(ctx)
+        model_called.append(hybrid.num_model_steps > before)
+        return out
+
+    hybrid.propose = tracking
+    prompt = tok.encode(PROMPTS[0])
+    gen.generate([PROMPTS[0]], GREEDY)  # fresh: the model drafts from the first step
+    assert model_called[0] and policy.caught_up[0] >= len(prompt) - 2
+    first = len(model_called)
+    gen.generate([PROMPTS[0]], GREEDY)  # the same again: the suffix tree has it all
+    suffix_only = [u for u, m in zip(policy.caught_up[first:], model_called[first:]) if not m]
+    assert suffix_only and not any(suffix_only), suffix_only
+    assert len(policy.caught_up) == len(model_called)
+
+
 def test_cost_rule():
     assert chain_expectation(0.0, 4) == 0.0
     assert chain_expectation(1.0, 4) == pytest.approx(4 * 0.999, rel=1e-2)

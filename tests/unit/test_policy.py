@@ -858,6 +858,22 @@ def test_tree_catch_up_is_paid_only_where_the_remaining_tokens_repay_it():
     assert policy.choose(tree_context(1, caps=4, unseen=200)) == (0,)
 
 
+def test_a_tree_is_priced_by_the_tokens_its_request_has_left():
+    """A request 2 tokens from its end emits at most 2, however long the trees' accepted paths
+    are: priced at 1 + 3 tokens, a 4-node tree looked worth a 30-token catch-up (0.09 s on a
+    0.1 s step) and every such step cost more than plain. Uncapped, the last choice flips."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    flat_then_linear(policy, flat_rows=32)
+    for n in TreeSizer.sizes(16):
+        policy.observe_propose(1, n, 0.030, unseen=0)
+        policy.observe_verify(0, n, min(n, 3))
+    policy.observe_propose(1, 16, 0.030 + CATCH_UP_S * 30, unseen=30)
+    assert policy.choose(tree_context(1, caps=16, unseen=30, remaining=200)) == (16,)
+    assert policy.choose(tree_context(1, caps=16, unseen=0, remaining=2)) == (16,)
+    assert policy.choose(tree_context(1, caps=16, unseen=30, remaining=2)) == (0,)
+
+
 # ----------------------------------------------------------------------------- cold-start luck
 
 

@@ -139,7 +139,12 @@ class TreeSizer:
         remaining = ctx.remaining or tuple(c + 1 for c in ctx.caps)
         best_n, best_rate = 0, batch / self.step_seconds(target_cost, batch, 0, 0)
         for n in reversed(self.sizes(ctx.max_k)):  # ties go to the larger tree: it measures more
-            accepted = [self.accepted(n, s) if o else 0.0 for s, o in zip(ctx.seq_ids, open_)]
+            # A request emits at most what it has left: one 2 tokens from its end once priced a
+            # 4-node tree at 1 + 3.5 tokens and paid a whole catch-up on its prompt for it.
+            accepted = [
+                min(self.accepted(n, s), left - 1.0) if o else 0.0
+                for s, o, left in zip(ctx.seq_ids, open_, remaining)
+            ]
             emitted = sum(1.0 + a for a in accepted)
             seconds = self.step_seconds(target_cost, batch + n * drafting, n, drafting) + sum(
                 _spread(c, left, 1.0 + a) for c, left, a in zip(catchups, remaining, accepted)

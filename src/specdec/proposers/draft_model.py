@@ -238,6 +238,11 @@ class DraftModel:
             if seq_id in self._computed:
                 self._computed[seq_id] = min(self._computed[seq_id], len(tokens) - 1)
 
+    def lag(self, seq_id: int, num_tokens: int) -> int:
+        """Tokens of a ``num_tokens``-token history the draft has not run, beyond the one or
+        two every drafting step runs (:class:`~specdec.interfaces.ReportsLag`)."""
+        return max(0, num_tokens - 2 - self._computed.get(seq_id, 0))
+
     def kv_valid_slots(self, seq_id: int, num_computed: int) -> int:
         """The slots the draft has run over (it catches up lazily, when it next drafts)."""
         return min(self._computed.get(seq_id, 0), num_computed)

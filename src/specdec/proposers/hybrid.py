@@ -171,10 +171,11 @@ class SuffixHybrid:
         return getattr(self.model, "target_hidden_layers", None)
 
     def __getattr__(self, name: str):
-        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix) and
-        # UsesTargetTokenizer (set_target_tokenizer) are the model's: present exactly when the
-        # model has them. (No CapturesGraphs: the model drafts eagerly.)
-        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix", "set_target_tokenizer"):
+        # SharesCachedPrefix (kv_lookahead, kv_valid_slots, adopt_prefix), UsesTargetTokenizer
+        # (set_target_tokenizer) and ReportsLag (lag: the model's, as only the model catches
+        # up) are the model's: present exactly when the model has them. (No CapturesGraphs:
+        # the model drafts eagerly.)
+        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix", "set_target_tokenizer", "lag"):
             return getattr(self.__dict__["model"], name)
         raise AttributeError(name)
 
