@@ -196,6 +196,10 @@ def main() -> None:
     started = time.perf_counter()
     if args.source:
         old = json.loads(args.source.read_text())
+        # The recording's settings, not this command line's defaults: its traces are that
+        # many tokens of that format (the output is named by them too).
+        for name in ("quantization", "num_prompts", "max_new_tokens", "threads"):
+            setattr(args, name, old["args"][name])
         costs = old["costs"]
         costs["target"] = {int(r): s for r, s in costs["target"].items()}
         report(args, costs, old["traces"], started)

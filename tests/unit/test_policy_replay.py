@@ -45,3 +45,29 @@ def test_adaptive_policy_replays_without_errors_and_beats_plain_on_easy_text():
     plain = 20 * 0.01 + 63 * 0.10
     got = replay(AdaptivePolicy(), COSTS, [trace, trace], tokens=64, noise=0.05, seed=1)
     assert got < 2 * plain * 0.6
+
+
+def test_a_replay_from_a_file_takes_the_recordings_settings(tmp_path, monkeypatch):
+    """``--from`` replays the recorded number of tokens and names its output by the recorded
+    format, whatever the command line's defaults."""
+    import json
+    import sys
+
+    from benchmarks import policy_replay
+
+    recording = {
+        "args": {"quantization": "q4", "num_prompts": 1, "max_new_tokens": 12, "threads": 2},
+        "costs": {**COSTS, "target": {str(r): s for r, s in COSTS["target"].items()}},
+        "traces": [{"prompt_len": 5, "runs": [1] * 12}],
+    }
+    source = tmp_path / "recording.json"
+    source.write_text(json.dumps(recording))
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["policy_replay", "--from", str(source), "--seeds", "1"])
+    policy_replay.main()
+    (out,) = (tmp_path / "benchmarks" / "results").glob("policy-rereplay-*.json")
+    result = json.loads(out.read_text())
+    assert out.name.startswith("policy-rereplay-q4-")
+    # 1 prefill token + 11 plain steps of one row each
+    assert result["plain_s"] == pytest.approx(5 * 0.01 + 11 * 0.10)
