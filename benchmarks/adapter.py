@@ -49,7 +49,13 @@ def build(name: str, args) -> tuple[torch.nn.Module, dict, list[list[int]], str]
 
     dtype = getattr(torch, args.dtype)
     # GPT-2's whole context is 1024 tokens: its KV sized by it.
-    cache = CacheConfig(max_batch_size=1, max_model_len=1024 + args.max_new_tokens if name == "qwen" else None)
+    # No prefix caching: the warm-up runs a timed prompt, and transformers' generate caches nothing:
+    # with caching specdec would skip most of that prompt's prefill (unequal work).
+    cache = CacheConfig(
+        max_batch_size=1,
+        max_model_len=1024 + args.max_new_tokens if name == "qwen" else None,
+        prefix_caching=False,
+    )
     if name == "qwen":
         path = resolve_model(args.qwen)
         hf = hf_model_ignoring_eos(path, args.dtype)

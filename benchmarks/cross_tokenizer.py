@@ -37,7 +37,10 @@ def build(args):
     from specdec.proposers import CrossTokenizerDraft, DraftModel
 
     target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
-    cache = CacheConfig(max_batch_size=1, max_model_len=2048 + args.max_new_tokens)
+    # No prefix caching: the warm-up runs the first timed prompt; every run prefills in full.
+    cache = CacheConfig(
+        max_batch_size=1, max_model_len=2048 + args.max_new_tokens, prefix_caching=False
+    )
     target = Generator.from_pretrained(target_path, dtype=args.dtype, cache_config=cache)
     shared = DraftModel.from_pretrained(
         draft_path,

@@ -47,11 +47,13 @@ def _hf_run(model, prompt_ids, n):
 
 
 def bench(target: str, dtype: str, threads: list[int], repeats: int, new_tokens: int, prompt: str) -> dict:
-    from specdec import Generator
+    from specdec import CacheConfig, Generator
     from specdec.hub import resolve_model
 
     path = resolve_model(target)
-    gen = Generator.from_pretrained(path, dtype=dtype)
+    # No prefix caching: the warm-up runs a timed prompt, and transformers' generate caches nothing:
+    # with caching specdec would skip most of that prompt's prefill (unequal work).
+    gen = Generator.from_pretrained(path, dtype=dtype, cache_config=CacheConfig(prefix_caching=False))
     hf = hf_model_ignoring_eos(path, dtype)
     prompt_ids = gen.encode(prompt)
     rows = []
