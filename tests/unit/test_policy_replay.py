@@ -69,5 +69,5 @@ def test_a_replay_from_a_file_takes_the_recordings_settings(tmp_path, monkeypatc
     (out,) = (tmp_path / "benchmarks" / "results").glob("policy-rereplay-*.json")
     result = json.loads(out.read_text())
     assert out.name.startswith("policy-rereplay-q4-")
-    # 1 prefill token + 11 plain steps of one row each
+    # a 5-row prefill (it emits token 1) + 11 plain steps of one row each
     assert result["plain_s"] == pytest.approx(5 * 0.01 + 11 * 0.10)
