@@ -194,10 +194,12 @@ def test_negative_controls_disagree(checkpoint, monkeypatch, family, control):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers_bf16_through_gemmas_fused_path(checkpoint, kernel, monkeypatch, family):
     """Packed bf16 linears and the CPU backend (its kernel for Gemma 3; the float64 reference
-    for Gemma 2's capped scores) through Gemma's own fused per-layer ops
-    (:func:`specdec.models.gemma.fused_layer_states`: its norms and gelu); Llama's fused
-    per-layer ops and the whole-stack kernel compute Llama's norms and SiLU and are never
-    entered. The fused path equals the layers' own modules within bf16 noise."""
+    for Gemma 2's capped scores) through Gemma's own fused paths (its norms and gelu): every
+    layer in one kernel call for Gemma 3 (:func:`specdec.models.gemma.stack_layer_states`),
+    bit for bit the per-layer loop of fused ops (:func:`~specdec.models.gemma.fused_layer_states`),
+    which Gemma 2 takes. Llama's fused per-layer ops and the whole-stack kernel compute Llama's
+    norms and SiLU and are never entered. The fused paths equal the layers' own modules within
+    bf16 noise."""
     from specdec.models import cpu_decoder, gemma
 
     def forbidden(*args, **kwargs):
@@ -206,14 +208,26 @@ def test_logits_match_transformers_bf16_through_gemmas_fused_path(checkpoint, ke
     monkeypatch.setattr(cpu_decoder, "run_stack", forbidden)
     monkeypatch.setattr(llama.LlamaModel, "_fused_layer_states", forbidden)
     calls = []
-    fused = gemma.fused_layer_states
-    monkeypatch.setattr(gemma, "fused_layer_states", lambda *a: calls.append(1) or fused(*a))
+    fused, stack = gemma.fused_layer_states, gemma.stack_layer_states
+    monkeypatch.setattr(gemma, "fused_layer_states", lambda *a: calls.append("loop") or fused(*a))
+
+    def stacked(*args):
+        out = stack(*args)
+        calls.append("stack" if out is not None else "no stack")
+        return out
+
+    monkeypatch.setattr(gemma, "stack_layer_states", stacked)
     path, hf = checkpoint(family)
     model, _, _ = load_model(path, dtype="bfloat16")  # packed
     prompts = _prompts(4, seed=3)
     ref = bf16_reference(hf)
     ours = _cpu_prefill_logits(model, prompts)
-    assert calls  # Gemma's fused path ran
+    assert calls == (["stack"] if family == "gemma3" else ["no stack", "loop"])
+    monkeypatch.setenv("SPECDEC_DISABLE_CPU_DECODER", "1")
+    calls.clear()
+    assert all(map(torch.equal, ours, _cpu_prefill_logits(model, prompts)))
+    assert calls == ["no stack", "loop"]
+    monkeypatch.delenv("SPECDEC_DISABLE_CPU_DECODER")
     errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     assert max(errors) < BF16_TOL, errors
     reference_attention = ragged_prefill_logits(model, prompts)  # the torch backend

@@ -7,7 +7,7 @@ random checkpoints written by transformers' ``save_pretrained`` are loaded throu
 loaders and compared with transformers' own model of the same files:
 
 - logits of a ragged prefill: float64 (the plain torch layers) and bf16 (the kernel's fused ops,
-  whose q/k norm is ``llama._norm_qk``; the whole-stack kernel has none and is skipped);
+  whose q/k norm is ``llama._norm_qk``, and the whole-stack kernel's);
 - greedy decoding, plain and speculative (a Qwen3 draft model), equal to ``generate``;
 - int8 and q4 checkpoints (the norms stay bf16), loaded twice (the second from the disk cache);
 - a sliding window on every layer, and the refusal of a window on some layers only;
@@ -243,15 +243,14 @@ def test_greedy_with_prompt_lookup_and_an_eagle_tree_matches_transformers(checkp
                                   expect_accepted=proposer == "eagle-tree")  # fmt: skip
 
 
-def test_bf16_speculation_is_exact_and_skips_the_stack_kernel(checkpoint, kernel, monkeypatch):
-    """bf16 on the CPU backend: the whole-stack kernel (no q/k norm) is never used, decoding
-    stays close to transformers, and speculation equals plain decoding token for token."""
+def test_bf16_speculation_is_exact_through_the_stack_kernel(checkpoint, kernel, monkeypatch):
+    """bf16 on the CPU backend: every layer in the whole-stack kernel (q/k norms included),
+    decoding stays close to transformers, and speculation equals plain decoding token for token
+    (the stack against the Python loop bit for bit: tests/unit/test_cpu_decoder.py)."""
     from specdec.models import cpu_decoder
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the whole-stack kernel has no q/k norm")
-
-    monkeypatch.setattr(cpu_decoder, "run_stack", forbidden)
+    ran, run_stack = [], cpu_decoder.run_stack
+    monkeypatch.setattr(cpu_decoder, "run_stack", lambda *a: ran.append(1) or run_stack(*a))
     path, hf = checkpoint("base")
     draft_path, _ = checkpoint("draft", seed=7, draft_of="base")
     prompts = _prompts(4, seed=5)
@@ -261,7 +260,7 @@ def test_bf16_speculation_is_exact_and_skips_the_stack_kernel(checkpoint, kernel
         path, proposer=DraftModel.from_pretrained(draft_path, num_speculative_tokens=3), policy=3
     )
     assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in plain]
-    assert spec.metrics.num_accepted > 0
+    assert spec.metrics.num_accepted > 0 and ran
     ref = bf16_reference(hf)
     for p, out in zip(prompts, plain):
         logits = hf_logits(ref, p + out.token_ids, torch.float32)[len(p) - 1 : -1]

@@ -10,7 +10,8 @@ transformers' own model of the same files (eager attention, eager experts):
 - the router (softmax in float32, top-k, renormalisation, rounding) and the whole sparse block
   in bf16 bit for bit transformers'; experts that no token chose never run, each other one once;
 - float64 logits of a ragged prefill; bf16 logits (packed linears, the fused per-layer ops with
-  the experts as the MLP; never the whole-stack kernel) within bf16 noise;
+  the experts as the MLP, or the whole-stack kernel; the experts' block in one kernel call,
+  bit for bit its Python loop) within bf16 noise;
 - greedy decoding equal to ``generate``: plain, with a Qwen3-MoE draft model, prompt lookup, an
   EAGLE tree and an MTP head (dense heads on the MoE target), and from a transformers object
   (experts stacked in 3-D tensors);
@@ -261,21 +262,23 @@ def test_negative_controls_disagree(checkpoint, monkeypatch, control):
 # --- bf16 ---------------------------------------------------------------------------------------
 
 
-def test_logits_match_transformers_bf16_through_the_fused_ops(checkpoint, kernel, monkeypatch):
-    """Packed bf16 linears (experts and router included), the CPU attention kernel and the fused
-    per-layer ops with the experts as the MLP; the whole-stack kernel (a dense MLP) never runs."""
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "loop"])
+def test_logits_match_transformers_bf16_through_the_fused_ops(checkpoint, kernel, monkeypatch, stack):
+    """Packed bf16 linears (experts and router included), the CPU attention kernel and the
+    experts in one kernel call (``SparseMoe``), inside the whole-stack kernel or the per-layer
+    loop of fused ops (``SPECDEC_DISABLE_CPU_DECODER``)."""
     from specdec.models import cpu_decoder
     from specdec.models.packed import PackedLinear
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the whole-stack kernel ran a Qwen3-MoE model")
-
+    ran, run_stack = [], cpu_decoder.run_stack
     fused = []
     layer_states = llama.LlamaModel._fused_layer_states
-    monkeypatch.setattr(cpu_decoder, "run_stack", forbidden)
+    monkeypatch.setattr(cpu_decoder, "run_stack", lambda *a: ran.append(1) or run_stack(*a))
     monkeypatch.setattr(
         llama.LlamaModel, "_fused_layer_states", lambda *a: fused.append(1) or layer_states(*a)
     )
+    if not stack:
+        monkeypatch.setenv("SPECDEC_DISABLE_CPU_DECODER", "1")
     path, hf = checkpoint()
     model, _, _ = load_model(path, dtype="bfloat16")  # packed
     block = model.layers[0].mlp
@@ -284,11 +287,78 @@ def test_logits_match_transformers_bf16_through_the_fused_ops(checkpoint, kernel
     prompts = _prompts(4, seed=3)
     ref = bf16_reference(hf)
     ours = cpu_prefill_logits(model, prompts)
-    assert fused
+    assert (len(ran), len(fused)) == ((1, 0) if stack else (0, 1))  # one forward
     errors = [bf16_error(o, hf_logits(ref, p, torch.float32)) for p, o in zip(prompts, ours)]
     assert max(errors) < BF16_TOL, errors
     for a, b in zip(ours, ragged_prefill_logits(model, prompts)):  # the torch backend, plain layers
         assert bf16_error(a, b) < 0.02
+
+
+class _Counting:
+    """The kernel module, counting the ``SparseMoe`` objects it makes and their forwards."""
+
+    def __init__(self, ops):
+        self.ops, self.calls, self.made = ops, 0, 0
+
+    def SparseMoe(self, *args):  # noqa: N802 (the kernel's class)
+        self.made += 1
+        kernel, counter = self.ops.SparseMoe(*args), self
+
+        class Counted:
+            def forward(self, x):
+                counter.calls += 1
+                return kernel.forward(x)
+
+        return Counted()
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "q4"])
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_the_sparse_block_kernel_is_the_python_loop_bit_for_bit(kernel, fmt, norm_topk_prob):
+    """``kernels/cpu_moe.cpp`` (router, softmax, top-k, experts in one call) gives the bits of
+    the block's Python loop, for one decode row and for ragged many-row passes (experts with 0,
+    1 and many rows), packed bf16, int8 and q4; replacing an expert's projection afterwards is
+    seen (the kept arguments are checked against the modules at every call)."""
+    from specdec.kernels.cpu_linear import load_kernel
+    from specdec.models.packed import pack_linears
+    from specdec.models.quantized import quantize_linears
+
+    torch.manual_seed(3)
+    cfg = ModelConfig.from_hf_config(_hf_config(norm_topk_prob=norm_topk_prob, num_experts=8, num_experts_per_tok=3))
+    block = qwen3_moe.SparseMoeBlock(64, cfg.moe, torch.nn.functional.silu).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(0.2 * torch.randn_like(p))
+    holder = torch.nn.Sequential(block)
+    if fmt == "bf16":
+        pack_linears(holder)
+    else:
+        quantize_linears(holder, fmt)
+    ops = _Counting(load_kernel())
+    x = torch.randn(23, 64).to(torch.bfloat16)
+
+    for rows in (x[:1], x[5:6], x[:2], x[3:12], x):
+        before = ops.calls
+        got = block(rows, ops)
+        assert ops.calls == before + 1
+        assert torch.equal(got, block.loop(rows, ops.ops))
+    # every row alone is the same row of a many-row pass (speculative == plain)
+    assert torch.equal(torch.cat([block(x[t : t + 1], ops) for t in range(23)]), block(x, ops))
+    assert ops.made == 1  # read once, kept while the modules stay
+    before = block.loop(x, ops.ops)
+    for e in range(8):  # zero every expert's down projection: the output must follow
+        old = block.experts[e].down_proj
+        linear = torch.nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+        torch.nn.init.zeros_(linear.weight)
+        holder = torch.nn.Sequential(linear)
+        pack_linears(holder) if fmt == "bf16" else quantize_linears(holder, fmt)
+        block.experts[e].down_proj = holder[0]
+        assert type(block.experts[e].down_proj) is type(old)
+        assert torch.equal(block(x, ops), block.loop(x, ops.ops))
+    assert ops.made == 9 and torch.equal(block(x, ops), torch.zeros_like(x)) and not torch.equal(before, torch.zeros_like(x))
 
 
 # --- decoding -----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Every decoder layer in one kernel call (kernels/cpu_decoder.cpp) against the Python loop over
-the same kernels: the same bits for prefill, decode and verify passes, hidden states included."""
+the same kernels: the same bits for prefill, decode and verify passes, hidden states included,
+for Llama's layer (Qwen2), Qwen3's q/k norms and Qwen3-MoE's sparse MLPs (kernels/cpu_moe.cpp)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,36 @@ from specdec.kv import KVCacheManager, PageAllocator
 pytestmark = pytest.mark.usefixtures("kernel")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+# Qwen2 (Llama's layer), Qwen3 (q/k norms), Qwen3-MoE (q/k norms; layers 0 and 2 sparse, 8
+# experts top-3 with renormalisation, layer 1 a dense MLP) and Gemma 3 (its norms, gelu, q/k
+# norms; a window of 4, shorter than the prompts, on layers 0 and 2, each with its own RoPE;
+# kernels/cpu_decoder.cpp's gemma_layers), each three layers of hidden 256.
+FAMILIES = {
+    "qwen2": {},
+    "qwen3": dict(model_type="qwen3", head_dim=64),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", head_dim=64, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
+    "gemma3": dict(
+        model_type="gemma3_text", head_dim=64, query_pre_attn_scalar=48, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", rope_theta=1e6, factor=2.0),
+            sliding_attention=dict(rope_type="default", rope_theta=1e4),
+        ),
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
     from conftest import make_hf_model
 
-    path = tmp_path_factory.mktemp("qwen2-tiny")
+    path = tmp_path_factory.mktemp(f"{request.param}-tiny")
     make_hf_model(
         "qwen2", seed=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, intermediate_size=384, num_hidden_layers=3,
+        vocab_size=512, intermediate_size=384, num_hidden_layers=3, **FAMILIES[request.param],
     ).save_pretrained(path)  # fmt: skip
     return path
 
@@ -33,19 +56,22 @@ def _model(checkpoint, quantization):
 
 
 class Counter:
-    """Counts the kernel's decoder_layers calls (the stack ran) without changing them."""
+    """Counts the kernel's decoder_layers and gemma_layers calls (the stack ran) without
+    changing them."""
 
     def __init__(self, monkeypatch):
         from specdec.kernels.cpu_linear import load_kernel
 
         self.calls, kernel = 0, load_kernel()
-        real = kernel.decoder_layers
+        for name in ("decoder_layers", "gemma_layers"):
+            monkeypatch.setattr(kernel, name, self._counted(getattr(kernel, name)))
 
+    def _counted(self, real):
         def counted(*args):
             self.calls += 1
             return real(*args)
 
-        monkeypatch.setattr(kernel, "decoder_layers", counted)
+        return counted
 
 
 def _passes(model, backend, layers):
@@ -142,8 +168,10 @@ def test_bad_arguments_name_what_is_wrong(checkpoint):
     from specdec.models.cpu_decoder import stack_arguments
 
     model = _model(checkpoint, None)
-    args = stack_arguments(model.layers)
+    if model.config.gemma is not None:
+        pytest.skip("decoder_layers' own arguments (Gemma's stack: gemma_layers)")
     kernel, cfg = load_kernel(), model.config
+    args = stack_arguments(model.layers, kernel)
     manager = KVCacheManager(PageAllocator(8), 4)
     kv = manager.add_pool(model.kv_spec("target"), "cpu")
     manager.add_sequence(0)
@@ -155,7 +183,7 @@ def test_bad_arguments_name_what_is_wrong(checkpoint):
 
     def call(h, cache, slots, wanted=(3,)):
         return kernel.decoder_layers(
-            h, args.norms, args.eps, *args.linears, cos, sin, cfg.num_heads, cfg.num_kv_heads,
+            h, args.norms, args.eps, args.qk_norms, args.qk_eps, *args.linears, args.moes, cos, sin, cfg.num_heads, cfg.num_kv_heads,
             cfg.head_dim, cache, slots, plan.row_seq, plan.row_index, tp.kv_gather, plan.kv_lens,
             tp.mask, tp.spec.sm_scale, list(wanted),
         )  # fmt: skip

@@ -62,7 +62,8 @@ def test_a_build_is_announced_and_a_reuse_is_not(tmp_path, monkeypatch, caplog):
     folder = tmp_path / "torch_extensions"
     (build_dir,) = folder.iterdir()
     codes = [
-        (cpu_linear.Path(cpu_linear.__file__).parent / n).read_bytes() for n in cpu_linear._SOURCES
+        (cpu_linear.Path(cpu_linear.__file__).parent / n).read_bytes()
+        for n in (*cpu_linear._SOURCES, *cpu_linear._HEADERS)
     ]
     assert build_dir.name.endswith(build_key(codes, build_environment())) and calls == [
         str(build_dir)

@@ -53,8 +53,10 @@ PANEL = 16
 _log = logging.getLogger("specdec.kernels")
 # One extension: the bindings live in cpu_decoder.cpp.
 _SOURCES = (
-    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_decoder.cpp"
+    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_moe.cpp",
+    "cpu_decoder.cpp",
 )
+_HEADERS = ("cpu_linear_call.h", "cpu_moe.h")  # included by the sources: copied beside them, part of the key
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -163,7 +165,7 @@ def _build_and_load() -> object:
     # rebuild for a source at a new path, or for another environment's build.ninja), and
     # changed sources get a build of their own.
     here = Path(__file__).parent
-    sources = [here / name for name in _SOURCES]
+    sources = [here / name for name in (*_SOURCES, *_HEADERS)]
     codes = [source.read_bytes() for source in sources]
     digest = build_key(codes, build_environment())
     build_dir = kernel_builds_dir() / f"cpu_kernels-{torch.__version__}-{digest}"
@@ -177,7 +179,8 @@ def _build_and_load() -> object:
             tmp = build_dir / f".{source.name}.{os.getpid()}"
             tmp.write_bytes(code)
             os.replace(tmp, copy)
-        stable.append(str(copy))
+        if source.name in _SOURCES:
+            stable.append(str(copy))
     built = (build_dir / f"{_NAME}.so").is_file()
     if not built:  # said before the wait, which may fall inside the caller's first generate()
         _log.warning(

@@ -35,10 +35,11 @@ that is not a positive int where layers slide, and what every family refuses
 (:mod:`specdec.models.config_checks`: ``layer_types`` of other kinds, RoPE types recomputed as
 sequences grow, pre-quantized weights, activations with weights).
 
-The CPU kernels' fused paths (the whole-stack kernel, the fused per-layer ops) compute Llama's
-norms and SiLU: Gemma layers run their own modules, whose linears are still the packed bf16,
-int8 or q4 kernels and whose attention is the CPU attention kernel (Gemma 2's capped scores: the
-float64 reference attention).
+On the CPU in bf16, Gemma layers run every layer in one kernel call (:func:`stack_layer_states`,
+``gemma_layers``), or where that does not apply a Python loop over the kernel's fused ops with
+Gemma's norms and gelu (:func:`fused_layer_states`); their linears are the packed bf16, int8 or
+q4 kernels and their attention the CPU attention kernel (Gemma 2's capped scores: the float64
+reference attention, and the loop).
 """
 
 from __future__ import annotations
@@ -295,6 +296,67 @@ def fused_layer_states(
         _, delta = _fused_norm(ops, m, None, layer.post_feedforward_layernorm)
     states[len(layers)] = h if delta is None else h + delta
     return states
+
+
+def stack_layer_states(
+    layers: nn.ModuleList,  # GemmaDecoderLayer
+    ropes: list[tuple[torch.Tensor, torch.Tensor]],  # per layer cos, sin [num_tokens, 1, head_dim] bf16
+    ops: object,  # the CPU kernel module
+    h: torch.Tensor,  # [num_tokens, hidden] bf16, the scaled embeddings
+    kv: object,  # ModelKV
+    backend: object,
+    plan: object,
+    wanted: tuple[int, ...],
+) -> list[torch.Tensor] | None:  # len(wanted) x [num_tokens, hidden], or None
+    """:func:`fused_layer_states` in one kernel call (``gemma_layers`` in
+    ``kernels/cpu_decoder.cpp``: the same calls in the same order, so the same bits), where it
+    applies: the CPU attention kernel over a bf16 pool for every layer (no soft-capped scores:
+    Gemma 2's layers keep the loop), kernel linears with bf16 results, one eps; else None. The
+    arguments are read afresh at every forward (~10 us a layer; nothing is kept, so nothing
+    goes stale)."""
+    from specdec.attention.cpu_backend import CpuAttentionBackend, CpuAttentionPlan
+    from specdec.attention.layered import layer_plan
+    from specdec.kernels.cpu_linear import bf16_dot_mode, vnni_mode
+    from specdec.kv.paged import ModelKV
+    from specdec.models.cpu_decoder import decoder_disabled
+    from specdec.models.kernel_args import kernel_args
+
+    if (
+        decoder_disabled() or type(backend) is not CpuAttentionBackend or not isinstance(kv, ModelKV)
+        or kv.pool.cache.dtype != torch.bfloat16 or kv.pool.cache.device.type != "cpu"
+    ):  # fmt: skip
+        return None
+    plans = [layer_plan(plan, i) for i in range(len(layers))]
+    if not all(isinstance(p, CpuAttentionPlan) and p.torch_plan.spec.logits_soft_cap is None for p in plans):
+        return None
+    factors, qk_factors, columns, eps = [], [], ([], [], [], [], [], []), set()
+    bf16_dot, vnni = bf16_dot_mode(), vnni_mode()
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)  # fmt: skip
+        factors += (n.factor() for n in norms)
+        eps.update(n.eps for n in norms)
+        if attn.q_norm is not None:
+            qk_factors += (attn.q_norm.factor(), attn.k_norm.factor())
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            args = kernel_args(linear, bf16_dot, vnni)
+            if args is None:
+                return None
+            for column, value in zip(columns, args):
+                column.append(value)
+    qk_eps = {n.eps for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None}
+    if len(eps) != 1 or len(qk_eps) > 1 or len(qk_factors) not in (0, 2 * len(layers)):
+        return None
+    n, first = h.shape[0], layers[0].self_attn
+    tps = [p.torch_plan for p in plans]
+    return ops.gemma_layers(
+        h.contiguous(), factors, qk_factors, eps.pop(), qk_eps.pop() if qk_eps else 0.0, *columns,
+        [c.view(n, -1) for c, _ in ropes], [s.view(n, -1) for _, s in ropes],
+        first.num_heads, first.num_kv_heads, first.head_dim, kv.pool.cache, tps[0].slot_mapping,
+        [p.row_seq for p in plans], [p.row_index for p in plans], [t.kv_gather for t in tps],
+        [p.kv_lens for p in plans], [t.mask for t in tps], [t.spec.sm_scale for t in tps], list(wanted),
+    )  # fmt: skip
 
 
 def _fused_norm(ops, h, delta, norm: GemmaRMSNorm) -> tuple[torch.Tensor, torch.Tensor]:

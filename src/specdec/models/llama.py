@@ -85,7 +85,7 @@ class ModelConfig:
     # fused paths (see _fused_ops).
     hidden_act: str = "silu"
     # Qwen3's per-head RMSNorm of queries and keys (``self_attn.q_norm``/``k_norm``, weights of
-    # ``head_dim``), applied before RoPE; such models skip the whole-stack kernel (_decoder_stack).
+    # ``head_dim``), applied before RoPE (the whole-stack kernel applies them too, _decoder_stack).
     # Gemma 3's too (Gemma's RMSNorm).
     qk_norm: bool = False
     # Gemma 2 / Gemma 3: what their decoder does differently (sandwich norms, per-layer windows,
@@ -245,17 +245,16 @@ def _fused_ops(embeds: torch.Tensor) -> object | None:
 def _decoder_stack(model: LlamaModel, ops: object | None, kv, backend, plan) -> object | None:
     """The layers' :class:`~specdec.models.cpu_decoder.StackArguments` when this forward can run
     every layer in one kernel call (the fused bf16 path, the CPU attention kernel, kernel-shaped
-    linears), else None. The arguments are kept on the model between forwards (a cache of what
-    its layers hold, checked against them at every forward). Not for Qwen3: the kernel has no
-    q/k norm, so its layers keep the loop (:meth:`LlamaModel._fused_layer_states`); nor for
-    Qwen3-MoE, whose sparse MLPs it does not compute."""
-    if ops is None or model.layer_config.qk_norm or model.layer_config.moe is not None:
+    linears; Qwen3's q/k norms and Qwen3-MoE's sparse MLPs included), else None. The arguments
+    are kept on the model between forwards (a cache of what its layers hold, checked against
+    them at every forward)."""
+    if ops is None:
         return None
     from specdec.models import cpu_decoder
 
     if not cpu_decoder.applies(kv, backend, plan):
         return None
-    args = cpu_decoder.stack_arguments(model.layers, model.__dict__.get("_decoder_stack"))
+    args = cpu_decoder.stack_arguments(model.layers, ops, model.__dict__.get("_decoder_stack"))
     model.__dict__["_decoder_stack"] = args
     return args if args.fits else None
 
@@ -486,6 +485,9 @@ class LlamaModel(nn.Module):
             ops = _fused_ops(embeds)  # Gemma's own fused path: its norms and gelu
             if ops is not None and hasattr(ops, "add_rms_norm_f32w"):
                 ropes = self.layer_ropes(positions)
+                stacked = gemma.stack_layer_states(self.layers, ropes, ops, embeds, kv, backend, plan, layers)
+                if stacked is not None:  # every layer in one kernel call, bitwise the loop below
+                    return stacked
                 states = gemma.fused_layer_states(self.layers, ropes, ops, embeds, kv, backend, plan, set(layers))
                 return [states[i] for i in layers]
         if lc.olmo2 and lc.hidden_act in config_checks.SILU_NAMES:

@@ -31,9 +31,10 @@ The sparse MLP runs batched by expert: one host read per layer of which experts 
 then, per such expert, its rows gathered, two matrix products, and its weighted output added
 into theirs. Each token's sum runs over its own experts in a fixed order, so a row's result does
 not depend on the rows beside it: a verify pass computes what decoding each row alone computes.
-That host read is why CUDA graphs refuse MoE models (:class:`specdec.graphs.PassGraphs`), and
-the whole-stack CPU kernel (a dense MLP) is never taken; the fused per-layer ops are, with this
-block as the MLP.
+That host read is why CUDA graphs refuse MoE models (:class:`specdec.graphs.PassGraphs`). On
+the CPU in bf16 with kernel linears the block is one call (:meth:`SparseMoeBlock.kernel`,
+``kernels/cpu_moe.cpp``: the same ops in the same order), inside the whole-stack kernel
+(:mod:`specdec.models.cpu_decoder`) or the per-layer loop of fused ops.
 
 Ignored, as they change nothing at inference: ``output_router_logits``,
 ``router_aux_loss_coef``. Refused with a ValueError naming the field: ``num_experts_per_tok``
@@ -46,8 +47,10 @@ quantize it).
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
 
 import attrs
 import torch
@@ -172,7 +175,18 @@ class SparseMoeBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        """``ops``: as :meth:`Expert.forward`."""
+        """``ops``: as :meth:`Expert.forward`; where every linear of the block is a kernel
+        linear of this package with a bf16 result (packed bf16, int8, q4) and the experts are
+        SiLU-gated, the whole block runs in one kernel call (``kernels/cpu_moe.cpp``: the same
+        ops in the same order, bitwise this method's loop)."""
+        if ops is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+            kernel = self.kernel(ops)
+            if kernel is not None:
+                return kernel.forward(x.contiguous())
+        return self.loop(x, ops)
+
+    def loop(self, x: torch.Tensor, ops: object = None) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        """:meth:`forward` in Python, one module call per step (the kernel's specification)."""
         weights, experts = route(self.gate(x), self.top_k, self.norm_topk_prob)  # [T, k] each
         if x.shape[0] == 1:  # a decode row: its k experts in ascending order, no gather/scatter
             return self._one_token(x, weights[0], experts[0], ops)
@@ -193,6 +207,20 @@ class SparseMoeBlock(nn.Module):
             start += count
         return out
 
+    def kernel(self, ops: object) -> object | None:
+        """The block as the kernel's ``SparseMoe`` (its linears' arguments read once), kept
+        between forwards while every linear is the same module holding the same packed weight,
+        scale and bias (checked at every forward, ~50 us for 257 linears: reads ``_modules``
+        and ``_buffers`` directly, as attribute lookups through ``nn.Module`` would cost ~300
+        us); None where a linear (not a packed bf16, int8 or q4 linear with a bf16 result) or
+        the activation (not SiLU) is not the kernel's."""
+        cache = self.__dict__.get("_kernel_cache")
+        if cache is not None and cache.ops is ops and cache.is_current(self):
+            return cache.kernel
+        cache = _KernelCache.read(self, ops)
+        self.__dict__["_kernel_cache"] = cache
+        return cache.kernel
+
     def _one_token(self, x, weights, experts, ops) -> torch.Tensor:  # x [1, hidden] -> [1, hidden]
         """:meth:`forward` of one token: the same sums in the same order (ascending expert, in
         the model's dtype, from zero), bitwise; ``weights``/``experts`` [k]."""
@@ -201,6 +229,61 @@ class SparseMoeBlock(nn.Module):
         for e, w in zip(experts[order].tolist(), weights[order]):  # the one host read
             out.add_(self.experts[e](x, ops) * w)
         return out
+
+
+@attrs.frozen(eq=False)
+class _KernelCache:
+    """What :meth:`SparseMoeBlock.kernel` keeps: the kernel object and the objects it was read
+    from, in the kernel's order (the router, then gate_up and down of each expert)."""
+
+    ops: object
+    kernel: object | None
+    experts: list  # the Expert modules
+    expert_modules: list  # each expert's ``_modules`` dict
+    linears: list  # the 1 + 2 E linear modules
+    buffers: list  # each linear's ``_buffers`` dict
+    held: tuple[list, list, list]  # each linear's packed weight, scale and bias (or None)
+
+    @classmethod
+    def read(cls, block: SparseMoeBlock, ops: object) -> _KernelCache:
+        experts = list(block.experts._modules.values())
+        expert_modules = [e._modules for e in experts]
+        linears = [block._modules["gate"]]
+        for modules in expert_modules:
+            linears += (modules["gate_up_proj"], modules["down_proj"])
+        buffers = [m._buffers for m in linears]
+        held = tuple(list(map(dict.get, buffers, repeat(n))) for n in _HELD)
+        kernel = None
+        if all(e.act is F.silu for e in experts) and hasattr(ops, "SparseMoe"):
+            from specdec.kernels.cpu_linear import bf16_dot_mode, vnni_mode
+            from specdec.models.kernel_args import kernel_args
+
+            rows = [kernel_args(m, bf16_dot_mode(), vnni_mode()) for m in linears]
+            if all(r is not None for r in rows):
+                kernel = ops.SparseMoe(*map(list, zip(*rows)), block.top_k, block.norm_topk_prob)
+        return cls(ops, kernel, experts, expert_modules, linears, buffers, held)
+
+    def is_current(self, block: SparseMoeBlock) -> bool:
+        """Whether ``block`` still holds exactly these objects."""
+        linears = self.linears
+        return (
+            _same(self.experts, block.experts._modules.values())
+            and linears[0] is block._modules["gate"]
+            and _same(linears[1::2], map(dict.get, self.expert_modules, repeat("gate_up_proj")))
+            and _same(linears[2::2], map(dict.get, self.expert_modules, repeat("down_proj")))
+            # the packed weight only: every path that replaces a linear's scale or bias (its
+            # constructor, load_state_dict(assign=True), the move to huge pages) replaces it too
+            and _same(self.held[0], map(dict.get, self.buffers, repeat("packed")))
+        )
+
+
+_HELD = ("packed", "scale", "bias")
+
+
+def _same(a: list, b: Iterable) -> bool:
+    """Whether ``b`` yields the objects of ``a``, element for element (and no more)."""
+    b = list(b)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 # Experts stacked in one tensor, first dimension the expert: transformers' in-memory model

@@ -1,0 +1,123 @@
+// A sparse mixture-of-experts MLP (Qwen3-MoE) in one call from Python (CPU decoding).
+//
+// Why: models/qwen3_moe.py's SparseMoeBlock makes ~45 calls a layer for one decode row (the
+// router, softmax, top-k, sort, then per active expert two linears, silu_mul, a multiply and an
+// add), each paying Python and pybind dispatch with the interpreter's working set evicted by the
+// experts' weights. Here the same ATen ops and the same linear kernels run in the same order on
+// the same tensors, so the result is bitwise SparseMoeBlock.forward's (and so transformers'
+// eager Qwen3MoeSparseMoeBlock's):
+//
+//   logits = router(x);  probs = softmax(logits, float32);  w, e = topk(probs, k)
+//   w = w / sum(w) if norm_topk_prob;  w = w.to(logits.dtype)
+//   one row:   out = 0;  for each of its experts in ascending order:  out += expert(x) * w
+//   many rows: out = 0;  for each expert with rows, ascending:  rows r (ascending token order),
+//              out.index_add_(r, expert(x[r]) * w[r])
+//   expert(x) = down(silu_mul(gate_up(x)))
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "cpu_linear_call.h"
+#include "cpu_moe.h"
+
+// cpu_layer_ops.cpp
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+namespace {
+
+using specdec::LinearCall;
+
+torch::Tensor expert(const LinearCall* e, const torch::Tensor& x) {  // e: gate_up, down
+  return e[1](silu_mul(e[0](x)));
+}
+
+// out += y * w in bf16, bit for bit ATen's out.add_(y * w) with w a 0-dim bf16 tensor: the
+// product rounded to bf16, then the sum, each computed in float32 and rounded to nearest even
+// (c10::BFloat16's conversion, the one ATen's bf16 kernels use); one pass instead of two ops.
+void add_scaled(torch::Tensor& out, const torch::Tensor& y, at::BFloat16 w) {  // [1, H] bf16 each
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* v = y.data_ptr<at::BFloat16>();
+  const float wf = static_cast<float>(w);
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) {
+    const at::BFloat16 product(static_cast<float>(v[i]) * wf);
+    o[i] = at::BFloat16(static_cast<float>(o[i]) + static_cast<float>(product));
+  }
+}
+
+// One row: its experts in ascending order, accumulated from zero in the model's dtype.
+torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
+                      const torch::Tensor& experts, const std::vector<LinearCall>& lin) {
+  const int64_t k = experts.size(1);
+  const torch::Tensor ids = experts.contiguous();
+  const int64_t* ep = ids.data_ptr<int64_t>();  // the one host read
+  std::vector<std::pair<int64_t, int64_t>> order;  // (expert, slot), distinct experts
+  for (int64_t s = 0; s < k; ++s) order.emplace_back(ep[s], s);
+  std::sort(order.begin(), order.end());
+  torch::Tensor out = torch::zeros_like(x);
+  const torch::Tensor w = weights[0].contiguous();  // [k]
+  for (const auto& [e, s] : order) add_scaled(out, expert(lin.data() + 1 + 2 * e, x), w.data_ptr<at::BFloat16>()[s]);
+  return out;
+}
+
+// Many rows, batched by expert (SparseMoeBlock.forward's loop).
+torch::Tensor many_rows(const torch::Tensor& x, const torch::Tensor& weights,
+                        const torch::Tensor& experts, const std::vector<LinearCall>& lin,
+                        int64_t num_experts) {
+  const int64_t k = experts.size(1);
+  const torch::Tensor flat = experts.reshape({-1});  // [T k]: token t's slots at t k .. t k + k - 1
+  const torch::Tensor order = torch::argsort(flat, /*stable=*/true);
+  const torch::Tensor tokens = torch::floor_divide(order, k);
+  const torch::Tensor slot_weights = weights.reshape({-1}).index_select(0, order);
+  const torch::Tensor counts = torch::bincount(flat, {}, num_experts).contiguous();  // host read
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  torch::Tensor out = torch::zeros_like(x);
+  int64_t start = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = cp[e];
+    if (count == 0) continue;
+    const torch::Tensor rows = tokens.slice(0, start, start + count);
+    const torch::Tensor scaled = expert(lin.data() + 1 + 2 * e, x.index_select(0, rows)) *
+                                 slot_weights.slice(0, start, start + count).unsqueeze(1);
+    out.index_add_(0, rows, scaled);
+    start += count;
+  }
+  return out;
+}
+
+}  // namespace
+
+// A layer's router and experts, read once from the six linear lists (1 + 2 E entries: the
+// router, then gate_up and down of each expert): models/qwen3_moe.py keeps one per block while its
+// modules hold the same tensors, so a forward converts no argument lists.
+SparseMoe::SparseMoe(const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& packed,
+                     const std::vector<c10::optional<torch::Tensor>>& scales,
+                     const std::vector<int64_t>& out_features,
+                     const std::vector<c10::optional<torch::Tensor>>& biases,
+                     const std::vector<int64_t>& modes, int64_t top_k, bool norm_topk_prob)
+    : linears(specdec::read_linears("SparseMoe", kinds, packed, scales, out_features, biases, modes)),
+      num_experts((static_cast<int64_t>(linears.size()) - 1) / 2),
+      top_k(top_k),
+      norm_topk_prob(norm_topk_prob) {
+  TORCH_CHECK_VALUE(linears.size() >= 3 && linears.size() % 2 == 1,
+                    "SparseMoe: expected the router and two linears per expert, got ", linears.size());
+  TORCH_CHECK_VALUE(linears[0].out_features == num_experts, "SparseMoe: the router gives ",
+                    linears[0].out_features, " logits for ", num_experts, " experts");
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= num_experts, "SparseMoe: top_k = ", top_k,
+                    " must be in 1..", num_experts);
+}
+
+// x: [T, H] bf16 contiguous -> [T, H] bf16.
+torch::Tensor SparseMoe::forward(const torch::Tensor& x) const {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+                    "SparseMoe: x must be contiguous bf16 [T, H]");
+  const torch::Tensor logits = linears[0](x);  // [T, E] bf16
+  const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
+  auto [weights, experts] = torch::topk(probs, top_k, -1);
+  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  weights = weights.to(logits.scalar_type());
+  if (x.size(0) == 1) return one_row(x, weights, experts, linears);
+  return many_rows(x, weights, experts, linears, num_experts);
+}
