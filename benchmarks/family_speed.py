@@ -18,6 +18,7 @@ machine's memory in bf16); its share does not depend on the layer count much (em
 head are the same for any count).
 
     python -m benchmarks.family_speed [--formats bf16,q4] [--families ...] [--repeats 3] [--moe-layers 6]
+    python -m benchmarks.family_speed --formats q4 --interleave --repeats 5  # drift-robust, q4 only
     # smoke test: --families qwen2.5-1.5b --formats q4 --repeats 1 --new-tokens 4 --out-dir /tmp/fs
 """
 
@@ -127,23 +128,25 @@ def decode_seconds(gen, new_tokens: int) -> float:
     return (run(new_tokens) - run(1)) / (new_tokens - 1)
 
 
-def measure(family: str, fmt: str, args, probe: BandwidthProbe) -> dict:
+def _loaded(family: str, fmt: str, args) -> tuple:
+    """``(model, generator, build seconds)`` of a family, warmed up (kernels, pages)."""
     from specdec import CacheConfig, Generator
 
     start = time.perf_counter()
     model = build(family, fmt, args.moe_layers, args.build_threads)
     build_s = time.perf_counter() - start
     gen = Generator.from_components(model, cache_config=CacheConfig(max_batch_size=1, max_model_len=256))
-    decode_seconds(gen, 3)  # warm-up: kernels, pages
-    nbytes = active_bytes(model)
-    runs = []
-    for _ in range(args.repeats):
-        bandwidth = probe()
-        seconds = decode_seconds(gen, args.new_tokens)
-        runs.append({"seconds_per_token": seconds, "bandwidth": bandwidth,
-                     "share_of_bound": nbytes / bandwidth / seconds})  # fmt: skip
-    del gen, model
-    gc.collect()
+    decode_seconds(gen, 3)
+    return model, gen, build_s
+
+
+def _timed(gen, nbytes: int, args, probe: BandwidthProbe) -> dict:
+    bandwidth = probe()
+    seconds = decode_seconds(gen, args.new_tokens)
+    return {"seconds_per_token": seconds, "bandwidth": bandwidth, "share_of_bound": nbytes / bandwidth / seconds}
+
+
+def _row(family: str, fmt: str, nbytes: int, build_s: float, runs: list[dict]) -> dict:
     return {
         "family": family,
         "format": fmt,
@@ -153,6 +156,30 @@ def measure(family: str, fmt: str, args, probe: BandwidthProbe) -> dict:
         "share_of_bound": round(statistics.median(r["share_of_bound"] for r in runs), 4),
         "runs": runs,
     }
+
+
+def measure(family: str, fmt: str, args, probe: BandwidthProbe) -> dict:
+    model, gen, build_s = _loaded(family, fmt, args)
+    nbytes = active_bytes(model)
+    runs = [_timed(gen, nbytes, args, probe) for _ in range(args.repeats)]
+    del gen, model
+    gc.collect()
+    return _row(family, fmt, nbytes, build_s, runs)
+
+
+def measure_interleaved(families: list[str], fmt: str, args, probe: BandwidthProbe) -> list[dict]:
+    """Every family built first, then each repeat times them all in turn: drift in the
+    machine's speed (other tenants, memory reclaim) hits every family of a repeat alike. Needs
+    them all in memory at once (the q4 set: ~11 GB)."""
+    loaded = {f: _loaded(f, fmt, args) for f in dict.fromkeys(families)}
+    runs: dict[str, list[dict]] = {f: [] for f in loaded}
+    for _ in range(args.repeats):
+        for family, (model, gen, _) in loaded.items():
+            runs[family].append(_timed(gen, active_bytes(model), args, probe))
+    rows = [_row(f, fmt, active_bytes(m), b, runs[f]) for f, (m, _, b) in loaded.items()]
+    del loaded
+    gc.collect()
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -172,6 +199,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--build-threads", type=int, default=2, help="torch threads building the models")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=17)
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every family of a format, then time them in turn each repeat (q4: ~11 GB)")
     ap.add_argument("--out", default="family-speed")
     ap.add_argument("--out-dir", default=None, help="default: benchmarks/results")
     args = ap.parse_args(argv)
@@ -182,6 +211,9 @@ def main(argv: list[str] | None = None) -> Path:
     probe = BandwidthProbe()
     rows = []
     for fmt in args.formats.split(","):
+        if args.interleave:
+            rows += measure_interleaved(families, fmt, args, probe)
+            continue
         for family in families:
             row = measure(family, fmt, args, probe)
             rows.append(row)
@@ -193,7 +225,8 @@ def main(argv: list[str] | None = None) -> Path:
         r["within_10_percent"] = r["vs_reference"] >= 0.9
     payload = {"machine": machine_info(),
                "settings": {"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
-                            "moe_layers": args.moe_layers, "batch": 1, "prompt_tokens": 16},
+                            "moe_layers": args.moe_layers, "batch": 1, "prompt_tokens": 16,
+                            "interleave": args.interleave},
                "results": rows}  # fmt: skip
     path = write_json(args.out, payload, args.out_dir)
     print(table(rows))
