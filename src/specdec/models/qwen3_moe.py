@@ -242,7 +242,7 @@ class _KernelCache:
     expert_modules: list  # each expert's ``_modules`` dict
     linears: list  # the 1 + 2 E linear modules
     buffers: list  # each linear's ``_buffers`` dict
-    held: tuple[list, list, list]  # each linear's packed weight, scale and bias (or None)
+    packed: list  # each linear's packed weight
 
     @classmethod
     def read(cls, block: SparseMoeBlock, ops: object) -> _KernelCache:
@@ -252,7 +252,7 @@ class _KernelCache:
         for modules in expert_modules:
             linears += (modules["gate_up_proj"], modules["down_proj"])
         buffers = [m._buffers for m in linears]
-        held = tuple(list(map(dict.get, buffers, repeat(n))) for n in _HELD)
+        packed = list(map(dict.get, buffers, repeat("packed")))
         kernel = None
         if all(e.act is F.silu for e in experts) and hasattr(ops, "SparseMoe"):
             from specdec.kernels.cpu_linear import bf16_dot_mode, vnni_mode
@@ -261,7 +261,7 @@ class _KernelCache:
             rows = [kernel_args(m, bf16_dot_mode(), vnni_mode()) for m in linears]
             if all(r is not None for r in rows):
                 kernel = ops.SparseMoe(*map(list, zip(*rows)), block.top_k, block.norm_topk_prob)
-        return cls(ops, kernel, experts, expert_modules, linears, buffers, held)
+        return cls(ops, kernel, experts, expert_modules, linears, buffers, packed)
 
     def is_current(self, block: SparseMoeBlock) -> bool:
         """Whether ``block`` still holds exactly these objects."""
@@ -273,11 +273,8 @@ class _KernelCache:
             and _same(linears[2::2], map(dict.get, self.expert_modules, repeat("down_proj")))
             # the packed weight only: every path that replaces a linear's scale or bias (its
             # constructor, load_state_dict(assign=True), the move to huge pages) replaces it too
-            and _same(self.held[0], map(dict.get, self.buffers, repeat("packed")))
+            and _same(self.packed, map(dict.get, self.buffers, repeat("packed")))
         )
-
-
-_HELD = ("packed", "scale", "bias")
 
 
 def _same(a: list, b: Iterable) -> bool:
