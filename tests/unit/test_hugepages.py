@@ -34,13 +34,13 @@ def test_values_ties_and_outputs_survive_the_move():
 
 
 def test_no_tensor_keeps_its_source_storage():
-    """Small tensors (below the arena's 1 MiB) are copied as well: a model loaded from a
+    """Small tensors (below the arena's 64 KiB) are copied as well: a model loaded from a
     memory-mapped file would otherwise keep the whole mapping resident next to the arena."""
     model = _tied_model()
     held = [*model.parameters(), *model.buffers()]  # alive: their addresses cannot be reused
     sources = {t.untyped_storage().data_ptr() for t in held}
     bias = model[1].bias.detach().clone()
-    move_to_hugepages(model)  # only tensors of 1 MiB or more go to the arena
+    move_to_hugepages(model)  # only tensors of 64 KiB or more go to the arena
     assert torch.equal(model[1].bias, bias) and model[1].bias.requires_grad
     assert not sources & {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
 

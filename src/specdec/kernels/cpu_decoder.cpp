@@ -275,6 +275,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // cpu_quantized.cpp: int8 and 4-bit weights, int8 activations per group
   m.def("q4_linear_layer", &q4_linear_layer, "activations x packed 4-bit weights");
   m.def("int8_linear_layer", &int8_linear_layer, "activations x packed int8 weights");
+  m.def("q4_grouped_linear", &q4_grouped_linear, "one row x each of several 4-bit weights, in one pass");
+  m.def("int8_grouped_linear", &int8_grouped_linear, "one row x each of several int8 weights, in one pass");
   m.def("quantized_has_vnni", &quantized_has_vnni, "whether the int8 / q4 kernels can use AVX512-VNNI");
   // cpu_moe.cpp
   pybind11::class_<SparseMoe>(m, "SparseMoe", "a sparse mixture-of-experts MLP (router + experts)")

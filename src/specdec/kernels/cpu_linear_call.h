@@ -17,6 +17,11 @@ torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
 torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                                 int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
                                 int64_t use_vnni);
+torch::Tensor q4_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t N,
+                                std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni);
+torch::Tensor int8_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
+                                  std::vector<torch::Tensor> scales, int64_t N,
+                                  std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni);
 
 namespace specdec {
 
@@ -38,6 +43,33 @@ struct LinearCall {
     }
   }
 };
+
+// Whether calls can run as one grouped pass (q4_grouped_linear / int8_grouped_linear): int8
+// or q4, all of one kind, shape and mode.
+inline bool groupable(const std::vector<const LinearCall*>& calls) {
+  const LinearCall& a = *calls.front();
+  if (a.kind == kPackedBf16) return false;
+  for (const LinearCall* c : calls)
+    if (c->kind != a.kind || c->mode != a.mode || c->out_features != a.out_features ||
+        c->packed.sizes() != a.packed.sizes())
+      return false;
+  return true;
+}
+
+// The calls (groupable) in one pass: x [1, in] (every call reads it) or [E, in] (call e reads
+// row e) -> [E, out] bf16, row e bitwise calls[e](its row).
+inline torch::Tensor grouped(const std::vector<const LinearCall*>& calls, const torch::Tensor& x) {
+  std::vector<torch::Tensor> packed, scales;
+  std::vector<c10::optional<torch::Tensor>> biases;
+  for (const LinearCall* c : calls) {
+    packed.push_back(c->packed);
+    biases.push_back(c->bias);
+    if (c->kind == kInt8) scales.push_back(*c->scale);
+  }
+  const LinearCall& a = *calls.front();
+  if (a.kind == kInt8) return int8_grouped_linear(x, packed, scales, a.out_features, biases, a.mode);
+  return q4_grouped_linear(x, packed, a.out_features, biases, a.mode);
+}
 
 // The six parallel argument lists (kind, packed, scale, out_features, bias, mode) as one
 // LinearCall each; `who` names the caller in errors.

@@ -14,6 +14,7 @@
 //              out.index_add_(r, expert(x[r]) * w[r])
 //   expert(x) = down(silu_mul(gate_up(x)))
 #include <torch/types.h>
+#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
 
 #include <algorithm>
 #include <cstdint>
@@ -47,6 +48,17 @@ void add_scaled(torch::Tensor& out, const torch::Tensor& y, at::BFloat16 w) {  /
   }
 }
 
+// silu_mul of each row of gate_up [k, 2 I], each row bitwise silu_mul of that row alone: one
+// call holds that while ATen runs it on one thread (its loops go row by row, the same
+// vectorised steps for each row), which it does below its grain size; past it a parallel
+// split could cut a row where a one-row call does not, so then row by row.
+torch::Tensor silu_rows(const torch::Tensor& gate_up) {
+  if (gate_up.numel() / 2 < at::internal::GRAIN_SIZE) return silu_mul(gate_up);
+  std::vector<torch::Tensor> rows;
+  for (int64_t r = 0; r < gate_up.size(0); ++r) rows.push_back(silu_mul(gate_up.narrow(0, r, 1)));
+  return torch::cat(rows);
+}
+
 // One row: its experts in ascending order, accumulated from zero in the model's dtype.
 torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
                       const torch::Tensor& experts, const std::vector<LinearCall>& lin) {
@@ -57,8 +69,21 @@ torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
   for (int64_t s = 0; s < k; ++s) order.emplace_back(ep[s], s);
   std::sort(order.begin(), order.end());
   torch::Tensor out = torch::zeros_like(x);
-  const torch::Tensor w = weights[0].contiguous();  // [k]
-  for (const auto& [e, s] : order) add_scaled(out, expert(lin.data() + 1 + 2 * e, x), w.data_ptr<at::BFloat16>()[s]);
+  const torch::Tensor slot_weights = weights[0].contiguous();  // [k]
+  const at::BFloat16* w = slot_weights.data_ptr<at::BFloat16>();
+  std::vector<const LinearCall*> gate_up, down;
+  for (const auto& [e, s] : order) {
+    gate_up.push_back(&lin[1 + 2 * e]);
+    down.push_back(&lin[2 + 2 * e]);
+  }
+  if (specdec::groupable(gate_up) && specdec::groupable(down)) {
+    // The experts' linears as two passes (all gate_ups, then all downs): the same rows, each
+    // bitwise its own call (cpu_quantized.cpp, grouped_linear), then summed in the same order.
+    const torch::Tensor y = specdec::grouped(down, silu_rows(specdec::grouped(gate_up, x)));  // [k, H]
+    for (size_t i = 0; i < order.size(); ++i) add_scaled(out, y[i], w[order[i].second]);
+    return out;
+  }
+  for (const auto& [e, s] : order) add_scaled(out, expert(lin.data() + 1 + 2 * e, x), w[s]);
   return out;
 }
 
