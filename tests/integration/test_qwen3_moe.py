@@ -316,19 +316,20 @@ class _Counting:
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "q4"])
-@pytest.mark.parametrize("norm_topk_prob", [False, True])
-def test_the_sparse_block_kernel_is_the_python_loop_bit_for_bit(kernel, fmt, norm_topk_prob):
+@pytest.mark.parametrize(("norm_topk_prob", "hidden"), [(False, 64), (True, 64), (True, 60)])
+def test_the_sparse_block_kernel_is_the_python_loop_bit_for_bit(kernel, fmt, norm_topk_prob, hidden):
     """``kernels/cpu_moe.cpp`` (router, softmax, top-k, experts in one call) gives the bits of
     the block's Python loop, for one decode row and for ragged many-row passes (experts with 0,
     1 and many rows), packed bf16, int8 and q4; replacing an expert's projection afterwards is
-    seen (the kept arguments are checked against the modules at every call)."""
+    seen (the kept arguments are checked against the modules at every call). A hidden size
+    that is no multiple of 8 takes the weighted sum's scalar tail."""
     from specdec.kernels.cpu_linear import load_kernel
     from specdec.models.packed import pack_linears
     from specdec.models.quantized import quantize_linears
 
     torch.manual_seed(3)
     cfg = ModelConfig.from_hf_config(_hf_config(norm_topk_prob=norm_topk_prob, num_experts=8, num_experts_per_tok=3))
-    block = qwen3_moe.SparseMoeBlock(64, cfg.moe, torch.nn.functional.silu).to(torch.bfloat16)
+    block = qwen3_moe.SparseMoeBlock(hidden, cfg.moe, torch.nn.functional.silu).to(torch.bfloat16)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(0.2 * torch.randn_like(p))
@@ -338,7 +339,7 @@ def test_the_sparse_block_kernel_is_the_python_loop_bit_for_bit(kernel, fmt, nor
     else:
         quantize_linears(holder, fmt)
     ops = _Counting(load_kernel())
-    x = torch.randn(23, 64).to(torch.bfloat16)
+    x = torch.randn(23, hidden).to(torch.bfloat16)
 
     for rows in (x[:1], x[5:6], x[:2], x[3:12], x):
         before = ops.calls
@@ -351,7 +352,7 @@ def test_the_sparse_block_kernel_is_the_python_loop_bit_for_bit(kernel, fmt, nor
     before = block.loop(x, ops.ops)
     for e in range(8):  # zero every expert's down projection: the output must follow
         old = block.experts[e].down_proj
-        linear = torch.nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+        linear = torch.nn.Linear(32, hidden, bias=False).to(torch.bfloat16)
         torch.nn.init.zeros_(linear.weight)
         holder = torch.nn.Sequential(linear)
         pack_linears(holder) if fmt == "bf16" else quantize_linears(holder, fmt)

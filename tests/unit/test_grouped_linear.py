@@ -88,6 +88,8 @@ def test_bad_arguments_are_refused():
         ops.q4_grouped_linear(x, [ws[0], _weights("q4", 1, 24, 64, seed=6)[0]], 16, [None, None], 0)
     with pytest.raises(RuntimeError, match="one bias entry per weight"):
         ops.q4_grouped_linear(x, ws, 16, [None], 0)
+    with pytest.raises(RuntimeError, match="bias must be contiguous float32"):
+        ops.q4_grouped_linear(x, ws, 16, [None, torch.randn(15)], 0)
     with pytest.raises(RuntimeError, match="in_features"):
         ops.q4_grouped_linear(torch.randn(1, 96), ws, 16, [None, None], 0)
     i8 = _weights("int8", 2, 16, 64, seed=7)

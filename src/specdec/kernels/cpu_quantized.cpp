@@ -758,6 +758,10 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Te
   for (const auto& w : packed)
     TORCH_CHECK(w.sizes() == packed[0].sizes() && w.scalar_type() == packed[0].scalar_type() && w.is_contiguous(),
                 "grouped linear: every weight must be contiguous and of the first one's shape and dtype");
+  for (const auto& b : biases)
+    if (b.has_value())
+      TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->numel() == N && b->is_contiguous(),
+                  "bias must be contiguous float32 [out_features]");
   const bool use_pairs = pairs_pay(use_vnni, 1, G);
   const QuantizedRows q = quantize_rows(xf, G);
   std::vector<Rows> rows(R);
@@ -781,13 +785,8 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Te
   });
   auto rounded = torch::empty({E, N}, xf.options().dtype(torch::kBFloat16));
   uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& b = biases[e];
-    if (b.has_value())
-      TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->numel() == N && b->is_contiguous(),
-                  "bias must be contiguous float32 [out_features]");
-    add_round_bf16(op + e * N, b.has_value() ? b->data_ptr<float>() : nullptr, dst + e * N, N);
-  }
+  for (int64_t e = 0; e < E; ++e)
+    add_round_bf16(op + e * N, biases[e].has_value() ? biases[e]->data_ptr<float>() : nullptr, dst + e * N, N);
   return rounded;
 }
 
