@@ -114,6 +114,16 @@ def active_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def arena_huge_pages(model: torch.nn.Module) -> float | None:
+    """The share of the model's weight arena that huge pages back (its largest tensor's
+    mapping): below 1 where the machine had no free 2 MiB blocks left when it was built."""
+    from specdec.models.hugepages import huge_page_share
+
+    largest = max([*model.parameters(), *model.buffers()], key=lambda t: t.numel() * t.element_size())
+    share = huge_page_share(largest)
+    return None if share is None else round(share, 3)
+
+
 def decode_seconds(gen, new_tokens: int) -> float:
     """Seconds per decode token: a run of ``new_tokens`` minus a 1-token run (the prefill)."""
     from specdec import SamplingParams
@@ -146,11 +156,12 @@ def _timed(gen, nbytes: int, args, probe: BandwidthProbe) -> dict:
     return {"seconds_per_token": seconds, "bandwidth": bandwidth, "share_of_bound": nbytes / bandwidth / seconds}
 
 
-def _row(family: str, fmt: str, nbytes: int, build_s: float, runs: list[dict]) -> dict:
+def _row(family: str, fmt: str, model: torch.nn.Module, build_s: float, runs: list[dict]) -> dict:
     return {
         "family": family,
         "format": fmt,
-        "bytes_per_token": nbytes,
+        "bytes_per_token": active_bytes(model),
+        "huge_pages": arena_huge_pages(model),
         "build_s": round(build_s, 1),
         "ms_per_token": round(1000 * statistics.median(r["seconds_per_token"] for r in runs), 2),
         "share_of_bound": round(statistics.median(r["share_of_bound"] for r in runs), 4),
@@ -162,9 +173,10 @@ def measure(family: str, fmt: str, args, probe: BandwidthProbe) -> dict:
     model, gen, build_s = _loaded(family, fmt, args)
     nbytes = active_bytes(model)
     runs = [_timed(gen, nbytes, args, probe) for _ in range(args.repeats)]
+    row = _row(family, fmt, model, build_s, runs)
     del gen, model
     gc.collect()
-    return _row(family, fmt, nbytes, build_s, runs)
+    return row
 
 
 def measure_interleaved(families: list[str], fmt: str, args, probe: BandwidthProbe) -> list[dict]:
@@ -176,17 +188,18 @@ def measure_interleaved(families: list[str], fmt: str, args, probe: BandwidthPro
     for _ in range(args.repeats):
         for family, (model, gen, _) in loaded.items():
             runs[family].append(_timed(gen, active_bytes(model), args, probe))
-    rows = [_row(f, fmt, active_bytes(m), b, runs[f]) for f, (m, _, b) in loaded.items()]
+    rows = [_row(f, fmt, m, b, runs[f]) for f, (m, _, b) in loaded.items()]
     del loaded
     gc.collect()
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | format | GB read / token | ms / token | share of bound | vs Qwen2.5-1.5B |", "|---|---|---|---|---|---|"]
+    lines = ["| family | format | GB read / token | huge pages | ms / token | share of bound | vs Qwen2.5-1.5B |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['format']} | {r['bytes_per_token'] / 1e9:.2f} | {r['ms_per_token']:.1f} | "
-                     f"{r['share_of_bound']:.3f} | {r.get('vs_reference', float('nan')):.2f} |")  # fmt: skip
+        lines.append(f"| {r['family']} | {r['format']} | {r['bytes_per_token'] / 1e9:.2f} | {r.get('huge_pages')} | "
+                     f"{r['ms_per_token']:.1f} | {r['share_of_bound']:.3f} | {r.get('vs_reference', float('nan')):.2f} |")  # fmt: skip
     return "\n".join(lines)
 
 

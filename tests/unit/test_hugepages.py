@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.models.hugepages import hugepage_buffer, move_to_hugepages
+from specdec.models.hugepages import huge_page_share, hugepage_buffer, move_to_hugepages
 
 
 def _tied_model() -> nn.Module:
@@ -66,3 +66,22 @@ def test_buffer_is_private_memory_that_transparent_huge_pages_can_back():
             assert perms[3] == "p", f"arena mapped {perms} (shared), want private"
             return
     raise AssertionError("the arena's mapping is not in /proc/self/maps")
+
+
+def test_huge_page_share_reads_the_mapping_holding_the_tensor(tmp_path):
+    """Parsed from a smaps file: the mapping whose range holds the data, its AnonHugePages over
+    its Size; None outside every mapping or without the file."""
+    t = torch.zeros(4)
+    a = t.data_ptr()
+    smaps = tmp_path / "smaps"
+    smaps.write_text(
+        f"{a - 8192:x}-{a - 4096:x} rw-p 00000000 00:00 0\nSize:                  4 kB\nAnonHugePages:         4 kB\n"
+        f"{a - 4096:x}-{a + 8192:x} rw-p 00000000 00:00 0\nSize:               8192 kB\nAnonHugePages:      2048 kB\n"
+    )
+    assert huge_page_share(t, str(smaps)) == 0.25
+    assert huge_page_share(t, str(tmp_path / "missing")) is None
+    smaps.write_text(f"{a + 4096:x}-{a + 8192:x} rw-p 00000000 00:00 0\nSize: 4 kB\nAnonHugePages: 0 kB\n")
+    assert huge_page_share(t, str(smaps)) is None
+    if Path("/proc/self/smaps").is_file():
+        share = huge_page_share(hugepage_buffer(4 << 20))
+        assert share is not None and 0.0 <= share <= 1.0

@@ -20,7 +20,7 @@ import mmap
 import torch
 from torch import nn
 
-__all__ = ["move_to_hugepages", "hugepage_buffer"]
+__all__ = ["move_to_hugepages", "hugepage_buffer", "huge_page_share"]
 
 _HUGE = 2 << 20  # 2 MiB
 _ALIGN = 64  # every tensor starts on a cache line
@@ -90,6 +90,31 @@ def move_to_hugepages(
         del old
     _retie(model)
     return model
+
+
+def huge_page_share(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> float | None:
+    """The share of the memory mapping holding ``tensor``'s data that huge pages back
+    (``AnonHugePages / Size`` of that mapping in ``smaps``), or None where the file cannot be
+    read or no mapping holds it. A diagnostic: the kernel grants ``MADV_HUGEPAGE`` only where it
+    finds free 2 MiB blocks, which a fragmented machine may not have (the arena is then partly
+    ordinary pages and its weights stream slower)."""
+    address = tensor.data_ptr()
+    try:
+        with open(smaps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside, size = False, 0
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Size:":
+            size = int(line.split()[1])
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) / size if size else 0.0
+    return None
 
 
 def _get(module: nn.Module, name: str, is_param: bool) -> torch.Tensor:
