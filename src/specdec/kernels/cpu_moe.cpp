@@ -74,8 +74,8 @@ inline __m256 round_bf16(__m256 v) {
 
 // out = sum over i of y[i] * w[i], in order from zero, each product and each partial sum
 // rounded to bf16: add_scaled once per i (bit for bit), in one pass over out instead of k
-// (y [k, H] bf16 contiguous, out [1, H] bf16). A scalar add_scaled costs ~2 ns a value, 30 us
-// a layer for 8 experts of a 2048-wide model.
+// (y [k, H] bf16 contiguous, out [1, H] bf16), 8 values at a time instead of k scalar loops
+// converting each value through c10::BFloat16.
 void weighted_sum(torch::Tensor& out, const torch::Tensor& y, const std::vector<at::BFloat16>& w) {
   const int64_t H = out.numel(), k = static_cast<int64_t>(w.size());
   const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
