@@ -21,8 +21,7 @@
 //   4. out_d = (sum_j p_j v_j,d) / l: one sequential FMA chain per d over visible j ascending.
 // Up to three query heads sharing a KV head run together, so each K and V block is loaded and
 // converted once for all of them; each head's arithmetic is exactly what it would be alone.
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
-#include <ATen/Parallel.h>
+#include "cpu_aten.h"  // not torch/extension.h nor torch/types.h (see there); bindings: cpu_decoder.cpp
 #include <immintrin.h>
 
 #include <algorithm>
@@ -320,20 +319,20 @@ void attend(const Heads<T>& all, float* out) {
 }
 
 // Shape and dtype errors raise TypeError/ValueError in Python, like the package's own checks.
-void check_index(const torch::Tensor& t, const char* name, int64_t dim) {
+void check_index(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), "paged_attention: ", name, " must be on the CPU");
-  TORCH_CHECK_TYPE(t.scalar_type() == torch::kInt64, "paged_attention: ", name,
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "paged_attention: ", name,
                    " must be int64, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == dim, "paged_attention: ", name, " must be ", dim, "-D, got ",
                     t.sizes());
 }
 
 bool is_attention_dtype(c10::ScalarType s) {
-  return s == torch::kFloat32 || s == torch::kBFloat16 || s == torch::kHalf;
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
-void check_tensors(const torch::Tensor& q, const torch::Tensor& k_slots,
-                   const torch::Tensor& v_slots) {
+void check_tensors(const at::Tensor& q, const at::Tensor& k_slots,
+                   const at::Tensor& v_slots) {
   TORCH_CHECK_VALUE(q.device().is_cpu() && k_slots.device().is_cpu() && v_slots.device().is_cpu(),
                     "paged_attention: q, k_slots and v_slots must be on the CPU");
   TORCH_CHECK_TYPE(is_attention_dtype(q.scalar_type()),
@@ -359,9 +358,9 @@ void check_tensors(const torch::Tensor& q, const torch::Tensor& k_slots,
                     ") must be a multiple of Hkv (", Hkv, ")");
 }
 
-void check_metadata(int64_t T, const torch::Tensor& row_seq, const torch::Tensor& row_index,
-                    const torch::Tensor& kv_gather, const torch::Tensor& kv_lens,
-                    const c10::optional<torch::Tensor>& mask) {
+void check_metadata(int64_t T, const at::Tensor& row_seq, const at::Tensor& row_index,
+                    const at::Tensor& kv_gather, const at::Tensor& kv_lens,
+                    const c10::optional<at::Tensor>& mask) {
   check_index(row_seq, "row_seq", 1);
   check_index(row_index, "row_index", 1);
   check_index(kv_gather, "kv_gather", 2);
@@ -375,7 +374,7 @@ void check_metadata(int64_t T, const torch::Tensor& row_seq, const torch::Tensor
                     kv_lens.size(0));
   if (!mask.has_value()) return;
   TORCH_CHECK_VALUE(mask->device().is_cpu(), "paged_attention: mask must be on the CPU");
-  TORCH_CHECK_TYPE(mask->scalar_type() == torch::kBool, "paged_attention: mask must be bool, got ",
+  TORCH_CHECK_TYPE(mask->scalar_type() == at::kBool, "paged_attention: mask must be bool, got ",
                    mask->scalar_type());
   TORCH_CHECK_VALUE(mask->dim() == 4 && mask->size(0) == B && mask->size(1) == 1 &&
                         mask->size(3) == max_kv,
@@ -385,9 +384,9 @@ void check_metadata(int64_t T, const torch::Tensor& row_seq, const torch::Tensor
 
 // Every index is checked before any work starts: an out-of-range slot would read outside the
 // pool, and a row with no visible slot would divide 0 by 0. Index tensors are contiguous here.
-void check_indices(int64_t S, const torch::Tensor& row_seq, const torch::Tensor& row_index,
-                   const torch::Tensor& kv_gather, const torch::Tensor& kv_lens,
-                   const c10::optional<torch::Tensor>& mask) {
+void check_indices(int64_t S, const at::Tensor& row_seq, const at::Tensor& row_index,
+                   const at::Tensor& kv_gather, const at::Tensor& kv_lens,
+                   const c10::optional<at::Tensor>& mask) {
   const int64_t T = row_seq.size(0), B = kv_gather.size(0), max_kv = kv_gather.size(1);
   const int64_t max_q = mask.has_value() ? mask->size(2) : 0;
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
@@ -419,10 +418,10 @@ void check_indices(int64_t S, const torch::Tensor& row_seq, const torch::Tensor&
 }
 
 template <typename T>
-void run_all(const torch::Tensor& q32, const torch::Tensor& k_slots, const torch::Tensor& v_slots,
-             const torch::Tensor& row_seq, const torch::Tensor& row_index,
-             const torch::Tensor& kv_gather, const torch::Tensor& kv_lens,
-             const c10::optional<torch::Tensor>& mask, float sm_scale, torch::Tensor& out) {
+void run_all(const at::Tensor& q32, const at::Tensor& k_slots, const at::Tensor& v_slots,
+             const at::Tensor& row_seq, const at::Tensor& row_index,
+             const at::Tensor& kv_gather, const at::Tensor& kv_lens,
+             const c10::optional<at::Tensor>& mask, float sm_scale, at::Tensor& out) {
   const int64_t Hq = q32.size(1), D = q32.size(2), Hkv = k_slots.size(1);
   const int64_t group = Hq / Hkv, max_kv = kv_gather.size(1);
   const int64_t max_q = mask.has_value() ? mask->size(2) : 0;
@@ -478,27 +477,27 @@ void run_all(const torch::Tensor& q32, const torch::Tensor& k_slots, const torch
 // int64 (each row's sequence b and its index among b's new rows); kv_gather: [B, max_kv] int64
 // pool slot of each KV position; kv_lens: [B] int64; mask: [B, 1, max_q, max_kv] bool (True =
 // visible) or None (every slot < kv_len visible). Returns [T, Hq, D] in q's dtype.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_slots, torch::Tensor v_slots,
-                              torch::Tensor row_seq, torch::Tensor row_index,
-                              torch::Tensor kv_gather, torch::Tensor kv_lens,
-                              c10::optional<torch::Tensor> mask, double sm_scale) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_slots, at::Tensor v_slots,
+                              at::Tensor row_seq, at::Tensor row_index,
+                              at::Tensor kv_gather, at::Tensor kv_lens,
+                              c10::optional<at::Tensor> mask, double sm_scale) {
   TORCH_CHECK_VALUE(std::isfinite(sm_scale), "paged_attention: sm_scale must be finite, got ",
                     sm_scale);
   check_tensors(q, k_slots, v_slots);
   check_metadata(q.size(0), row_seq, row_index, kv_gather, kv_lens, mask);
-  const torch::Tensor seq = row_seq.contiguous(), index = row_index.contiguous();
-  const torch::Tensor gather = kv_gather.contiguous(), lens = kv_lens.contiguous();
-  c10::optional<torch::Tensor> visible;
+  const at::Tensor seq = row_seq.contiguous(), index = row_index.contiguous();
+  const at::Tensor gather = kv_gather.contiguous(), lens = kv_lens.contiguous();
+  c10::optional<at::Tensor> visible;
   if (mask.has_value()) visible = mask->contiguous();
   check_indices(k_slots.size(0), seq, index, gather, lens, visible);
-  const torch::Tensor q32 = q.to(torch::kFloat32).contiguous();
-  torch::Tensor out = torch::empty(q32.sizes(), q32.options());
+  const at::Tensor q32 = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(q32.sizes(), q32.options());
   const float scale = static_cast<float>(sm_scale);
   switch (k_slots.scalar_type()) {
-    case torch::kBFloat16:
+    case at::kBFloat16:
       run_all<at::BFloat16>(q32, k_slots, v_slots, seq, index, gather, lens, visible, scale, out);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       run_all<at::Half>(q32, k_slots, v_slots, seq, index, gather, lens, visible, scale, out);
       break;
     default:

@@ -22,7 +22,10 @@
 //
 // This file also holds the extension's bindings (at the end): it declares every other source's
 // entry points anyway.
-#include <torch/extension.h>  // the bindings are here (the other sources include torch/types.h)
+// The bindings are here. Not torch/extension.h (torch/all.h: autograd, nn, optim...): these two
+// headers are all the bindings need, and the file parses in ~33 s instead of ~40.
+#include <torch/types.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
 #include <cstring>

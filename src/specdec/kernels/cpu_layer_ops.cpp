@@ -16,8 +16,7 @@
 // - gelu_tanh_mul: PyTorch's tanh-approximated gelu and multiply (Gemma's MLP), as silu_mul.
 //
 // Every row is computed on its own, so results do not depend on how many rows share a call.
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
-#include <ATen/Parallel.h>
+#include "cpu_aten.h"  // not torch/extension.h nor torch/types.h (see there); bindings: cpu_decoder.cpp
 
 #include <cmath>
 #include <cstdint>
@@ -45,15 +44,15 @@ inline uint16_t float_to_bf16(float f) {
 
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-const uint16_t* bf16_ptr(const torch::Tensor& t) {
+const uint16_t* bf16_ptr(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
-uint16_t* bf16_ptr_mut(torch::Tensor& t) {
+uint16_t* bf16_ptr_mut(at::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-void check_bf16(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
+void check_bf16(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
   TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
@@ -65,18 +64,18 @@ namespace {
 // add_rms_norm's arithmetic; Weight: uint16_t (bf16: the normed row rounded to bf16, then times
 // the weight) or float (float32: the normed row times the weight in float32, rounded once).
 template <typename Weight>
-std::vector<torch::Tensor> add_rms_norm_impl(torch::Tensor h, c10::optional<torch::Tensor> delta,
+std::vector<at::Tensor> add_rms_norm_impl(at::Tensor h, c10::optional<at::Tensor> delta,
                                              const Weight* wp, int64_t weight_size, double eps) {
   check_bf16(h, "h", 2);
   const int64_t T = h.size(0), H = h.size(1);
   TORCH_CHECK(weight_size == H, "weight must be [hidden]");
-  torch::Tensor summed = h;
+  at::Tensor summed = h;
   if (delta.has_value()) {
     check_bf16(*delta, "delta", 2);
     TORCH_CHECK(delta->sizes() == h.sizes(), "delta must have h's shape");
-    summed = torch::empty_like(h);
+    summed = at::empty_like(h);
   }
-  auto normed = torch::empty_like(h);
+  auto normed = at::empty_like(h);
   const uint16_t* hp = bf16_ptr(h);
   const uint16_t* dp = delta.has_value() ? bf16_ptr(*delta) : nullptr;
   uint16_t* sp = bf16_ptr_mut(summed);
@@ -114,23 +113,23 @@ std::vector<torch::Tensor> add_rms_norm_impl(torch::Tensor h, c10::optional<torc
 
 // h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] bf16.
 // Returns (h + delta, rms_norm(h + delta) * weight), both [T, H] bf16.
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor h, c10::optional<at::Tensor> delta,
+                                        at::Tensor weight, double eps) {
   check_bf16(weight, "weight", 1);
   return add_rms_norm_impl(h, delta, bf16_ptr(weight), weight.size(0), eps);
 }
 
 // h: [T, H] bf16; delta: [T, H] bf16 or None; weight: [H] float32.
 // Returns (h + delta, bf16((x / rms(x)) * weight) with x = h + delta), both [T, H] bf16.
-std::vector<torch::Tensor> add_rms_norm_f32w(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                             torch::Tensor weight, double eps) {
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 && weight.is_contiguous(),
+std::vector<at::Tensor> add_rms_norm_f32w(at::Tensor h, c10::optional<at::Tensor> delta,
+                                             at::Tensor weight, double eps) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.is_contiguous(),
               "weight must be a contiguous 1-D float32 tensor");
   return add_rms_norm_impl(h, delta, weight.data_ptr<float>(), weight.size(0), eps);
 }
 
 // gate_up: [T, 2 I] bf16. Returns gelu_tanh(gate) * up, [T, I] bf16 (PyTorch's own ops).
-torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+at::Tensor gelu_tanh_mul(at::Tensor gate_up) {
   check_bf16(gate_up, "gate_up", 2);
   const int64_t I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * I, "gate_up width must be even");
@@ -139,7 +138,7 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
 
 // qkv: [T, (Hq + 2 Hkv) * D] bf16 (q, k, v side by side); cos, sin: [T, D] bf16.
 // Returns (q [T, Hq, D], k [T, Hkv, D]) rotated, bf16.
-std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+std::vector<at::Tensor> rope_qk(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
                                    int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim) {
   check_bf16(qkv, "qkv", 2);
   check_bf16(cos, "cos", 2);
@@ -148,8 +147,8 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
   TORCH_CHECK(D % 2 == 0, "head_dim must be even");
   TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D, "qkv width must be (Hq + 2 Hkv) * D");
   TORCH_CHECK(cos.size(0) == T && cos.size(1) == D && sin.sizes() == cos.sizes(), "cos/sin must be [T, head_dim]");
-  auto q = torch::empty({T, num_q_heads, D}, qkv.options());
-  auto k = torch::empty({T, num_kv_heads, D}, qkv.options());
+  auto q = at::empty({T, num_q_heads, D}, qkv.options());
+  auto k = at::empty({T, num_kv_heads, D}, qkv.options());
   const uint16_t* src = bf16_ptr(qkv);
   const uint16_t* cp = bf16_ptr(cos);
   const uint16_t* snp = bf16_ptr(sin);
@@ -177,7 +176,7 @@ std::vector<torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::
 // gate_up: [T, 2 I] bf16 (gate, up side by side). Returns silu(gate) * up, [T, I] bf16:
 // PyTorch's own vectorised silu and multiply, called from C++ (bitwise the Python ops' result,
 // without their Python dispatch).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_bf16(gate_up, "gate_up", 2);
   const int64_t I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) == 2 * I, "gate_up width must be even");

@@ -28,8 +28,7 @@
 // output, two chains over alternate k pairs ((0,1), (4,5), ... and (2,3), (6,7), ...), added at
 // the end. That order does not depend on M either, so rows stay bitwise batch invariant within
 // the path. Which path a call takes depends only on the CPU and the activations' dtype.
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
-#include <ATen/Parallel.h>
+#include "cpu_aten.h"  // not torch/extension.h nor torch/types.h (see there); bindings: cpu_decoder.cpp
 #include <immintrin.h>
 
 #include <algorithm>
@@ -267,9 +266,9 @@ bool cpu_has_bf16_dot() {
 }
 
 // What both paths need of the packed weight: [ceil(N / 16), K, 16] bf16 matching x's K.
-void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel, "packed must be [panels, K, 16]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed must be bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "packed must be bfloat16");
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
   TORCH_CHECK(x.size(1) == packed.size(1), "x and the packed weight disagree on in_features");
   TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
@@ -280,13 +279,13 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t N
 
 // x: [M, K] float32; packed: [ceil(N/16), K, 16] bfloat16 (see the packing order above);
 // returns [M, N] float32.
-torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+at::Tensor packed_bf16_linear(at::Tensor x, at::Tensor packed, int64_t N) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   check_packed(x, packed, N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
@@ -301,13 +300,13 @@ torch::Tensor packed_bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t 
 }
 
 // x: [M, K] bfloat16 through the AVX512-BF16 path (see the header); returns [M, N] float32.
-torch::Tensor packed_bf16_dot_linear(torch::Tensor x, torch::Tensor packed, int64_t N) {
+at::Tensor packed_bf16_dot_linear(at::Tensor x, at::Tensor packed, int64_t N) {
   TORCH_CHECK(cpu_has_bf16_dot(), "this CPU has no AVX512-BF16 (bf16_dot=1 needs avx512_bf16, avx512bw, avx512vl)");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be 2-D bfloat16 [rows, in_features]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be 2-D bfloat16 [rows, in_features]");
   check_packed(x, packed, N);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
   dot_linear(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
              reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), packed.size(0),
              out.data_ptr<float>(), N);
@@ -319,20 +318,20 @@ torch::Tensor packed_bf16_dot_linear(torch::Tensor x, torch::Tensor packed, int6
 // in float32, the result rounded to bfloat16 when asked, exactly as x.float() @ W.T + bias
 // followed by .to(torch.bfloat16) rounds. bf16_dot: -1 takes the AVX512-BF16 path for bf16 x on
 // CPUs that have it, 0 never, 1 always (bf16 x only).
-torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                                  c10::optional<torch::Tensor> bias, bool out_bf16, int64_t bf16_dot) {
+at::Tensor packed_linear_layer(at::Tensor x, at::Tensor packed, int64_t N,
+                                  c10::optional<at::Tensor> bias, bool out_bf16, int64_t bf16_dot) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
   TORCH_CHECK(bf16_dot >= -1 && bf16_dot <= 1, "bf16_dot must be -1, 0 or 1");
-  TORCH_CHECK(bf16_dot != 1 || x.scalar_type() == torch::kBFloat16, "bf16_dot=1 needs bfloat16 x");
-  const bool dot = bf16_dot == 1 || (bf16_dot == -1 && x.scalar_type() == torch::kBFloat16 && cpu_has_bf16_dot());
+  TORCH_CHECK(bf16_dot != 1 || x.scalar_type() == at::kBFloat16, "bf16_dot=1 needs bfloat16 x");
+  const bool dot = bf16_dot == 1 || (bf16_dot == -1 && x.scalar_type() == at::kBFloat16 && cpu_has_bf16_dot());
   auto out = dot ? packed_bf16_dot_linear(x, packed, N)
-                 : packed_bf16_linear(x.scalar_type() == torch::kFloat32 ? x : x.to(torch::kFloat32), packed, N);
+                 : packed_bf16_linear(x.scalar_type() == at::kFloat ? x : x.to(at::kFloat), packed, N);
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
                 "bias must be float32 [out_features]");
     out.add_(*bias);
   }
-  return out_bf16 ? out.to(torch::kBFloat16) : out;
+  return out_bf16 ? out.to(at::kBFloat16) : out;
 }
 
 bool packed_has_bf16_dot() { return cpu_has_bf16_dot(); }
@@ -340,7 +339,7 @@ bool packed_has_bf16_dot() { return cpu_has_bf16_dot(); }
 // Reads every byte of a contiguous tensor with the kernel's access pattern (32-byte loads,
 // the same prefetch distance) and returns a checksum: the read bandwidth a decode step can
 // reach on this machine, against which benchmarks state the weight-read bound.
-int64_t read_stream(torch::Tensor t) {
+int64_t read_stream(at::Tensor t) {
   TORCH_CHECK(t.is_contiguous(), "t must be contiguous");
   const int64_t n = t.numel() * t.element_size() / 32;
   const auto* base = reinterpret_cast<const __m256i*>(t.data_ptr());

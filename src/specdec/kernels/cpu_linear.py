@@ -52,11 +52,14 @@ __all__ = [
 PANEL = 16
 _log = logging.getLogger("specdec.kernels")
 # One extension: the bindings live in cpu_decoder.cpp.
+# ninja compiles in this order, as many at once as there are cores: the slowest first (the
+# bindings, ~33 s alone on this project's 2-core runner), so that on two cores the other five
+# (9-12 s each, cpu_aten.h) fill the second; with the bindings last they ran after the others.
 _SOURCES = (
-    "cpu_linear.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_quantized.cpp", "cpu_moe.cpp",
-    "cpu_decoder.cpp",
+    "cpu_decoder.cpp", "cpu_quantized.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_moe.cpp",
+    "cpu_layer_ops.cpp",
 )
-_HEADERS = ("cpu_linear_call.h", "cpu_moe.h")  # included by the sources: copied beside them, part of the key
+_HEADERS = ("cpu_aten.h", "cpu_linear_call.h", "cpu_moe.h")  # included by the sources: copied beside them, part of the key
 # Position j of a packed panel row holds feature _PANEL_ORDER[j] (see cpu_linear.cpp: the two
 # AVX2 unpack instructions then produce features 0..7 and 8..15 in order).
 _PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
@@ -184,7 +187,7 @@ def _build_and_load() -> object:
     built = (build_dir / f"{_NAME}.so").is_file()
     if not built:  # said before the wait, which may fall inside the caller's first generate()
         _log.warning(
-            "building specdec CPU kernels (first use in this environment, ~40 s) in %s", build_dir
+            "building specdec CPU kernels (first use in this environment, about a minute) in %s", build_dir
         )
     start = time.perf_counter()
     kernel = cpp_extension.load(

@@ -3,25 +3,25 @@
 // the sources that run several layers in one call (cpu_decoder.cpp, cpu_moe.cpp).
 #pragma once
 
-#include <torch/types.h>
+#include "cpu_aten.h"
 
 #include <cstdint>
 #include <vector>
 
 // cpu_linear.cpp
-torch::Tensor packed_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                                  c10::optional<torch::Tensor> bias, bool out_bf16, int64_t bf16_dot);
+at::Tensor packed_linear_layer(at::Tensor x, at::Tensor packed, int64_t N,
+                                  c10::optional<at::Tensor> bias, bool out_bf16, int64_t bf16_dot);
 // cpu_quantized.cpp
-torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                              c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni);
-torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                                int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
+at::Tensor q4_linear_layer(at::Tensor x, at::Tensor packed, int64_t N,
+                              c10::optional<at::Tensor> bias, bool out_bf16, int64_t use_vnni);
+at::Tensor int8_linear_layer(at::Tensor x, at::Tensor packed, at::Tensor scale,
+                                int64_t N, c10::optional<at::Tensor> bias, bool out_bf16,
                                 int64_t use_vnni);
-torch::Tensor q4_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t N,
-                                std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni);
-torch::Tensor int8_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                  std::vector<torch::Tensor> scales, int64_t N,
-                                  std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni);
+at::Tensor q4_grouped_linear(at::Tensor x, std::vector<at::Tensor> packed, int64_t N,
+                                std::vector<c10::optional<at::Tensor>> biases, int64_t use_vnni);
+at::Tensor int8_grouped_linear(at::Tensor x, std::vector<at::Tensor> packed,
+                                  std::vector<at::Tensor> scales, int64_t N,
+                                  std::vector<c10::optional<at::Tensor>> biases, int64_t use_vnni);
 
 namespace specdec {
 
@@ -29,13 +29,13 @@ enum LinearKind : int64_t { kPackedBf16 = 0, kInt8 = 1, kQ4 = 2 };
 
 struct LinearCall {
   int64_t kind;
-  torch::Tensor packed;
-  c10::optional<torch::Tensor> scale;  // int8 only
+  at::Tensor packed;
+  c10::optional<at::Tensor> scale;  // int8 only
   int64_t out_features;
-  c10::optional<torch::Tensor> bias;
+  c10::optional<at::Tensor> bias;
   int64_t mode;  // bf16_dot for packed bf16, use_vnni for int8 / q4
 
-  torch::Tensor operator()(const torch::Tensor& x) const {  // [T, in] bf16 -> [T, out] bf16
+  at::Tensor operator()(const at::Tensor& x) const {  // [T, in] bf16 -> [T, out] bf16
     switch (kind) {
       case kPackedBf16: return packed_linear_layer(x, packed, out_features, bias, true, mode);
       case kInt8: return int8_linear_layer(x, packed, *scale, out_features, bias, true, mode);
@@ -58,9 +58,9 @@ inline bool groupable(const std::vector<const LinearCall*>& calls) {
 
 // The calls (groupable) in one pass: x [1, in] (every call reads it) or [E, in] (call e reads
 // row e) -> [E, out] bf16, row e bitwise calls[e](its row).
-inline torch::Tensor grouped(const std::vector<const LinearCall*>& calls, const torch::Tensor& x) {
-  std::vector<torch::Tensor> packed, scales;
-  std::vector<c10::optional<torch::Tensor>> biases;
+inline at::Tensor grouped(const std::vector<const LinearCall*>& calls, const at::Tensor& x) {
+  std::vector<at::Tensor> packed, scales;
+  std::vector<c10::optional<at::Tensor>> biases;
   for (const LinearCall* c : calls) {
     packed.push_back(c->packed);
     biases.push_back(c->bias);
@@ -74,10 +74,10 @@ inline torch::Tensor grouped(const std::vector<const LinearCall*>& calls, const 
 // The six parallel argument lists (kind, packed, scale, out_features, bias, mode) as one
 // LinearCall each; `who` names the caller in errors.
 inline std::vector<LinearCall> read_linears(const char* who, const std::vector<int64_t>& kinds,
-                                            const std::vector<torch::Tensor>& packed,
-                                            const std::vector<c10::optional<torch::Tensor>>& scales,
+                                            const std::vector<at::Tensor>& packed,
+                                            const std::vector<c10::optional<at::Tensor>>& scales,
                                             const std::vector<int64_t>& out_features,
-                                            const std::vector<c10::optional<torch::Tensor>>& biases,
+                                            const std::vector<c10::optional<at::Tensor>>& biases,
                                             const std::vector<int64_t>& modes) {
   const size_t n = kinds.size();
   TORCH_CHECK_VALUE(packed.size() == n && scales.size() == n && out_features.size() == n &&

@@ -13,8 +13,7 @@
 //   many rows: out = 0;  for each expert with rows, ascending:  rows r (ascending token order),
 //              out.index_add_(r, expert(x[r]) * w[r])
 //   expert(x) = down(silu_mul(gate_up(x)))
-#include <torch/types.h>
-#include <ATen/TensorIterator.h>  // at::internal::GRAIN_SIZE
+#include "cpu_aten.h"
 
 #include <immintrin.h>
 
@@ -27,20 +26,20 @@
 #include "cpu_moe.h"
 
 // cpu_layer_ops.cpp
-torch::Tensor silu_mul(torch::Tensor gate_up);
+at::Tensor silu_mul(at::Tensor gate_up);
 
 namespace {
 
 using specdec::LinearCall;
 
-torch::Tensor expert(const LinearCall* e, const torch::Tensor& x) {  // e: gate_up, down
+at::Tensor expert(const LinearCall* e, const at::Tensor& x) {  // e: gate_up, down
   return e[1](silu_mul(e[0](x)));
 }
 
 // out += y * w in bf16, bit for bit ATen's out.add_(y * w) with w a 0-dim bf16 tensor: the
 // product rounded to bf16, then the sum, each computed in float32 and rounded to nearest even
 // (c10::BFloat16's conversion, the one ATen's bf16 kernels use); one pass instead of two ops.
-void add_scaled(torch::Tensor& out, const torch::Tensor& y, at::BFloat16 w) {  // [1, H] bf16 each
+void add_scaled(at::Tensor& out, const at::Tensor& y, at::BFloat16 w) {  // [1, H] bf16 each
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const at::BFloat16* v = y.data_ptr<at::BFloat16>();
   const float wf = static_cast<float>(w);
@@ -54,11 +53,11 @@ void add_scaled(torch::Tensor& out, const torch::Tensor& y, at::BFloat16 w) {  /
 // call holds that while ATen runs it on one thread (its loops go row by row, the same
 // vectorised steps for each row), which it does below its grain size; past it a parallel
 // split could cut a row where a one-row call does not, so then row by row.
-torch::Tensor silu_rows(const torch::Tensor& gate_up) {
+at::Tensor silu_rows(const at::Tensor& gate_up) {
   if (gate_up.numel() / 2 < at::internal::GRAIN_SIZE) return silu_mul(gate_up);
-  std::vector<torch::Tensor> rows;
+  std::vector<at::Tensor> rows;
   for (int64_t r = 0; r < gate_up.size(0); ++r) rows.push_back(silu_mul(gate_up.narrow(0, r, 1)));
-  return torch::cat(rows);
+  return at::cat(rows);
 }
 
 // v rounded to bfloat16 (nearest even; NaN: the quiet NaN 0x7FC0), kept as float32: the
@@ -76,7 +75,7 @@ inline __m256 round_bf16(__m256 v) {
 // rounded to bf16: add_scaled once per i (bit for bit), in one pass over out instead of k
 // (y [k, H] bf16 contiguous, out [1, H] bf16), 8 values at a time instead of k scalar loops
 // converting each value through c10::BFloat16.
-void weighted_sum(torch::Tensor& out, const torch::Tensor& y, const std::vector<at::BFloat16>& w) {
+void weighted_sum(at::Tensor& out, const at::Tensor& y, const std::vector<at::BFloat16>& w) {
   const int64_t H = out.numel(), k = static_cast<int64_t>(w.size());
   const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -106,16 +105,16 @@ void weighted_sum(torch::Tensor& out, const torch::Tensor& y, const std::vector<
 }
 
 // One row: its experts in ascending order, accumulated from zero in the model's dtype.
-torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
-                      const torch::Tensor& experts, const std::vector<LinearCall>& lin) {
+at::Tensor one_row(const at::Tensor& x, const at::Tensor& weights,
+                      const at::Tensor& experts, const std::vector<LinearCall>& lin) {
   const int64_t k = experts.size(1);
-  const torch::Tensor ids = experts.contiguous();
+  const at::Tensor ids = experts.contiguous();
   const int64_t* ep = ids.data_ptr<int64_t>();  // the one host read
   std::vector<std::pair<int64_t, int64_t>> order;  // (expert, slot), distinct experts
   for (int64_t s = 0; s < k; ++s) order.emplace_back(ep[s], s);
   std::sort(order.begin(), order.end());
-  torch::Tensor out = torch::zeros_like(x);
-  const torch::Tensor slot_weights = weights[0].contiguous();  // [k]
+  at::Tensor out = at::zeros_like(x);
+  const at::Tensor slot_weights = weights[0].contiguous();  // [k]
   const at::BFloat16* w = slot_weights.data_ptr<at::BFloat16>();
   std::vector<const LinearCall*> gate_up, down;
   for (const auto& [e, s] : order) {
@@ -125,7 +124,7 @@ torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
   if (specdec::groupable(gate_up) && specdec::groupable(down)) {
     // The experts' linears as two passes (all gate_ups, then all downs): the same rows, each
     // bitwise its own call (cpu_quantized.cpp, grouped_linear), then summed in the same order.
-    const torch::Tensor y = specdec::grouped(down, silu_rows(specdec::grouped(gate_up, x)));  // [k, H]
+    const at::Tensor y = specdec::grouped(down, silu_rows(specdec::grouped(gate_up, x)));  // [k, H]
     std::vector<at::BFloat16> ordered;
     for (const auto& [e, s] : order) ordered.push_back(w[s]);
     weighted_sum(out, y, ordered);
@@ -136,24 +135,24 @@ torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
 }
 
 // Many rows, batched by expert (SparseMoeBlock.forward's loop).
-torch::Tensor many_rows(const torch::Tensor& x, const torch::Tensor& weights,
-                        const torch::Tensor& experts, const std::vector<LinearCall>& lin,
+at::Tensor many_rows(const at::Tensor& x, const at::Tensor& weights,
+                        const at::Tensor& experts, const std::vector<LinearCall>& lin,
                         int64_t num_experts) {
   const int64_t k = experts.size(1);
-  const torch::Tensor flat = experts.reshape({-1});  // [T k]: token t's slots at t k .. t k + k - 1
-  const torch::Tensor order = torch::argsort(flat, /*stable=*/true);
-  const torch::Tensor tokens = torch::floor_divide(order, k);
-  const torch::Tensor slot_weights = weights.reshape({-1}).index_select(0, order);
-  const torch::Tensor counts = torch::bincount(flat, {}, num_experts).contiguous();  // host read
+  const at::Tensor flat = experts.reshape({-1});  // [T k]: token t's slots at t k .. t k + k - 1
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor tokens = at::floor_divide(order, k);
+  const at::Tensor slot_weights = weights.reshape({-1}).index_select(0, order);
+  const at::Tensor counts = at::bincount(flat, {}, num_experts).contiguous();  // host read
   const int64_t* cp = counts.data_ptr<int64_t>();
-  torch::Tensor out = torch::zeros_like(x);
+  at::Tensor out = at::zeros_like(x);
   int64_t start = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = cp[e];
     if (count == 0) continue;
-    const torch::Tensor rows = tokens.slice(0, start, start + count);
-    const torch::Tensor scaled = expert(lin.data() + 1 + 2 * e, x.index_select(0, rows)) *
-                                 slot_weights.slice(0, start, start + count).unsqueeze(1);
+    const at::Tensor rows = tokens.slice(0, start, start + count);
+    const at::Tensor scaled = expert(lin.data() + 1 + 2 * e, x.index_select(0, rows))
+                                 .mul(slot_weights.slice(0, start, start + count).unsqueeze(1));
     out.index_add_(0, rows, scaled);
     start += count;
   }
@@ -165,10 +164,10 @@ torch::Tensor many_rows(const torch::Tensor& x, const torch::Tensor& weights,
 // A layer's router and experts, read once from the six linear lists (1 + 2 E entries: the
 // router, then gate_up and down of each expert): models/qwen3_moe.py keeps one per block while its
 // modules hold the same tensors, so a forward converts no argument lists.
-SparseMoe::SparseMoe(const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& packed,
-                     const std::vector<c10::optional<torch::Tensor>>& scales,
+SparseMoe::SparseMoe(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& packed,
+                     const std::vector<c10::optional<at::Tensor>>& scales,
                      const std::vector<int64_t>& out_features,
-                     const std::vector<c10::optional<torch::Tensor>>& biases,
+                     const std::vector<c10::optional<at::Tensor>>& biases,
                      const std::vector<int64_t>& modes, int64_t top_k, bool norm_topk_prob)
     : linears(specdec::read_linears("SparseMoe", kinds, packed, scales, out_features, biases, modes)),
       num_experts((static_cast<int64_t>(linears.size()) - 1) / 2),
@@ -183,13 +182,13 @@ SparseMoe::SparseMoe(const std::vector<int64_t>& kinds, const std::vector<torch:
 }
 
 // x: [T, H] bf16 contiguous -> [T, H] bf16.
-torch::Tensor SparseMoe::forward(const torch::Tensor& x) const {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+at::Tensor SparseMoe::forward(const at::Tensor& x) const {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
                     "SparseMoe: x must be contiguous bf16 [T, H]");
-  const torch::Tensor logits = linears[0](x);  // [T, E] bf16
-  const torch::Tensor probs = torch::softmax(logits, -1, torch::kFloat);
-  auto [weights, experts] = torch::topk(probs, top_k, -1);
-  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  const at::Tensor logits = linears[0](x);  // [T, E] bf16
+  const at::Tensor probs = at::softmax(logits, -1, at::kFloat);
+  auto [weights, experts] = at::topk(probs, top_k, -1);
+  if (norm_topk_prob) weights = weights.div(weights.sum(-1, /*keepdim=*/true));
   weights = weights.to(logits.scalar_type());
   if (x.size(0) == 1) return one_row(x, weights, experts, linears);
   return many_rows(x, weights, experts, linears, num_experts);

@@ -1,7 +1,7 @@
 // A sparse mixture-of-experts MLP held by C++ (cpu_moe.cpp; bound in cpu_decoder.cpp).
 #pragma once
 
-#include <torch/types.h>
+#include "cpu_aten.h"
 
 #include <cstdint>
 #include <vector>
@@ -9,12 +9,12 @@
 #include "cpu_linear_call.h"
 
 struct SparseMoe {
-  SparseMoe(const std::vector<int64_t>& kinds, const std::vector<torch::Tensor>& packed,
-            const std::vector<c10::optional<torch::Tensor>>& scales,
+  SparseMoe(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& packed,
+            const std::vector<c10::optional<at::Tensor>>& scales,
             const std::vector<int64_t>& out_features,
-            const std::vector<c10::optional<torch::Tensor>>& biases,
+            const std::vector<c10::optional<at::Tensor>>& biases,
             const std::vector<int64_t>& modes, int64_t top_k, bool norm_topk_prob);
-  torch::Tensor forward(const torch::Tensor& x) const;
+  at::Tensor forward(const at::Tensor& x) const;
 
   std::vector<specdec::LinearCall> linears;  // the router, then gate_up and down per expert
   int64_t num_experts, top_k;

@@ -35,8 +35,7 @@
 // 4f + t (the unpacked q4 order). maddubs needs an unsigned operand: |q| times x with q's
 // sign (each pair at most 2 x 127 x 127 = 32258, no saturation), madd to int32 per vector.
 // Per group and row: acc = fma(float(dot), dx, acc); the result is acc * s[n].
-#include <torch/types.h>  // not torch/extension.h: ~17 s to parse instead of ~43 (bindings: cpu_decoder.cpp)
-#include <ATen/Parallel.h>
+#include "cpu_aten.h"  // not torch/extension.h nor torch/types.h (see there); bindings: cpu_decoder.cpp
 #include <immintrin.h>
 
 #include <algorithm>
@@ -589,7 +588,7 @@ struct QuantizedRows {
 };
 
 template <typename T>
-QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t G) {
+QuantizedRows quantize_rows_of(const at::Tensor& x, int64_t G) {
   const int64_t M = x.size(0), K = x.size(1), n = M * G;
   QuantizedRows q{std::unique_ptr<int32_t[]>(new int32_t[3 * n + n * kGroup / 4]), {}};
   float* dx = reinterpret_cast<float*>(q.block.get());
@@ -607,8 +606,8 @@ QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t G) {
   return q;
 }
 
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t G) {  // x: float32 or bf16
-  return x.scalar_type() == torch::kBFloat16 ? quantize_rows_of<at::BFloat16>(x, G)
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t G) {  // x: float32 or bf16
+  return x.scalar_type() == at::kBFloat16 ? quantize_rows_of<at::BFloat16>(x, G)
                                              : quantize_rows_of<float>(x, G);
 }
 
@@ -634,7 +633,7 @@ bool pairs_pay(int64_t use_vnni, int64_t M, int64_t G) {
 
 // Shared argument checks; returns x contiguous (float32 or bf16, other dtypes as float32) and
 // whether to use VNNI.
-std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& packed,
+std::pair<at::Tensor, bool> check_call(at::Tensor x, const at::Tensor& packed,
                                           int64_t block, int64_t N, int64_t use_vnni) {
   TORCH_CHECK(x.dim() == 2, "x must be 2-D [rows, in_features]");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == block, "packed must be [panels, groups, ", block, "]");
@@ -646,8 +645,8 @@ std::pair<torch::Tensor, bool> check_call(torch::Tensor x, const torch::Tensor& 
   TORCH_CHECK(use_vnni >= -1 && use_vnni <= 2, "use_vnni must be -1, 0, 1 or 2");
   TORCH_CHECK(use_vnni <= 0 || cpu_has_vnni(), "use_vnni=", use_vnni, " but this CPU has no AVX512-VNNI");
   const bool vnni = use_vnni >= 1 || (use_vnni == -1 && cpu_has_vnni());
-  const bool direct = x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16;
-  return {(direct ? x : x.to(torch::kFloat32)).contiguous(), vnni};
+  const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  return {(direct ? x : x.to(at::kFloat)).contiguous(), vnni};
 }
 
 // dst[i] = bf16(src[i] + bias[i]) (bias may be null), rounded to nearest even as ATen's
@@ -676,13 +675,13 @@ void add_round_bf16(const float* src, const float* bias, uint16_t* dst, int64_t 
 
 // The float32 result plus the optional bias, in float32 or rounded to bfloat16 (one pass, no
 // ATen calls but the output's allocation).
-torch::Tensor finish(torch::Tensor out, const c10::optional<torch::Tensor>& bias, bool out_bf16) {
+at::Tensor finish(at::Tensor out, const c10::optional<at::Tensor>& bias, bool out_bf16) {
   const int64_t M = out.size(0), N = out.size(1);
   if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->numel() == N && bias->is_contiguous(),
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
                 "bias must be contiguous float32 [out_features]");
   if (!out_bf16) return bias.has_value() ? out.add_(*bias) : out;
-  auto rounded = torch::empty({M, N}, out.options().dtype(torch::kBFloat16));
+  auto rounded = at::empty({M, N}, out.options().dtype(at::kBFloat16));
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
   const float* src = out.data_ptr<float>();
@@ -725,15 +724,15 @@ void run_panels(const Weight& wt, int64_t p0, int64_t p1, int64_t G, int64_t N, 
 // x times a packed weight of format F (scale: int8's per-feature scales, else null): the
 // activations quantized once, then the panels in parallel.
 template <class F>
-torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& packed, const float* scale,
-                               int64_t N, const c10::optional<torch::Tensor>& bias, bool out_bf16,
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, const float* scale,
+                               int64_t N, const c10::optional<at::Tensor>& bias, bool out_bf16,
                                int64_t use_vnni) {
   constexpr int64_t kBytes = F::Avx2Kernel::kBytes;
   auto [xf, vnni] = check_call(x, packed, kBytes, N, use_vnni);
   const int64_t M = xf.size(0), P = packed.size(0), G = packed.size(1);
   const bool use_pairs = pairs_pay(use_vnni, M, G);
   const QuantizedRows q = quantize_rows(xf, G);
-  auto out = torch::empty({M, N}, xf.options().dtype(torch::kFloat32));
+  auto out = at::empty({M, N}, xf.options().dtype(at::kFloat));
   const uint8_t* wp = static_cast<const uint8_t*>(packed.data_ptr());
   const uint8_t* end = wp + P * G * kBytes;
   const Weight wt{wp, scale, &q.rows, M, out.data_ptr<float>(), N, Stream{end, end}};
@@ -747,9 +746,9 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const torch::Tensor& pack
 // order, prefetching across their boundaries (Stream), the shared row quantized once, one
 // output allocation instead of E.
 template <class F>
-torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+at::Tensor grouped_linear(const at::Tensor& x, const std::vector<at::Tensor>& packed,
                              const std::vector<const float*>& scales, int64_t N,
-                             const std::vector<c10::optional<torch::Tensor>>& biases, int64_t use_vnni) {
+                             const std::vector<c10::optional<at::Tensor>>& biases, int64_t use_vnni) {
   constexpr int64_t kBytes = F::Avx2Kernel::kBytes;
   const int64_t E = static_cast<int64_t>(packed.size());
   TORCH_CHECK(E >= 1, "grouped linear: no weights");
@@ -762,14 +761,14 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Te
                 "grouped linear: every weight must be contiguous and of the first one's shape and dtype");
   for (const auto& b : biases)
     if (b.has_value())
-      TORCH_CHECK(b->scalar_type() == torch::kFloat32 && b->numel() == N && b->is_contiguous(),
+      TORCH_CHECK(b->scalar_type() == at::kFloat && b->numel() == N && b->is_contiguous(),
                   "bias must be contiguous float32 [out_features]");
   const bool use_pairs = pairs_pay(use_vnni, 1, G);
   const QuantizedRows q = quantize_rows(xf, G);
   std::vector<Rows> rows(R);
   for (int64_t r = 0; r < R; ++r)
     rows[r] = Rows{q.rows.xq + r * G * kGroup, q.rows.dx + r * G, q.rows.xs + r * G, q.rows.xqs + r * G, G};
-  auto out = torch::empty({E, N}, xf.options().dtype(torch::kFloat32));
+  auto out = at::empty({E, N}, xf.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   std::vector<Weight> weights(E);
   for (int64_t e = 0; e < E; ++e) {
@@ -785,7 +784,7 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Te
       i += p1 - p0;
     }
   });
-  auto rounded = torch::empty({E, N}, xf.options().dtype(torch::kBFloat16));
+  auto rounded = at::empty({E, N}, xf.options().dtype(at::kBFloat16));
   uint16_t* dst = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
   for (int64_t e = 0; e < E; ++e)
     add_round_bf16(op + e * N, biases[e].has_value() ? biases[e]->data_ptr<float>() : nullptr, dst + e * N, N);
@@ -798,19 +797,19 @@ torch::Tensor grouped_linear(const torch::Tensor& x, const std::vector<torch::Te
 // optional float32 bias [N]; returns [M, N] float32, or bfloat16 when out_bf16. use_vnni: -1
 // picks by the CPU, 0 forces AVX2, 1 asks for VNNI on one panel at a time (256-bit), 2 for
 // VNNI on panel pairs (512-bit; what -1 picks with VNNI); 1 and 2 are errors without VNNI.
-torch::Tensor q4_linear_layer(torch::Tensor x, torch::Tensor packed, int64_t N,
-                              c10::optional<torch::Tensor> bias, bool out_bf16, int64_t use_vnni) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8, "packed must be uint8");
+at::Tensor q4_linear_layer(at::Tensor x, at::Tensor packed, int64_t N,
+                              c10::optional<at::Tensor> bias, bool out_bf16, int64_t use_vnni) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "packed must be uint8");
   return quantized_linear<Q4>(x, packed, nullptr, N, bias, out_bf16, use_vnni);
 }
 
 // x: [M, K] float32 or bfloat16; packed: [ceil(N/8), ceil(K/32), 256] int8 (layout above);
 // scale: [ceil(N/8) * 8] float32; bias, out_bf16 and use_vnni as above.
-torch::Tensor int8_linear_layer(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                                int64_t N, c10::optional<torch::Tensor> bias, bool out_bf16,
+at::Tensor int8_linear_layer(at::Tensor x, at::Tensor packed, at::Tensor scale,
+                                int64_t N, c10::optional<at::Tensor> bias, bool out_bf16,
                                 int64_t use_vnni) {
-  TORCH_CHECK(packed.scalar_type() == torch::kInt8, "packed must be int8");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() &&
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "packed must be int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == packed.size(0) * kFeatures,
               "scale must be contiguous float32 [panels * 8]");
   return quantized_linear<Int8>(x, packed, scale.data_ptr<float>(), N, bias, out_bf16, use_vnni);
@@ -820,21 +819,21 @@ bool quantized_has_vnni() { return cpu_has_vnni(); }
 
 // x: [1 or E, K] float32 or bfloat16; packed: E q4 weights of one shape; biases: E optional
 // float32 [N]; returns [E, N] bfloat16, row e = q4_linear_layer(x[0 or e], packed[e], ...).
-torch::Tensor q4_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed, int64_t N,
-                                std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni) {
-  for (const auto& w : packed) TORCH_CHECK(w.scalar_type() == torch::kUInt8, "packed must be uint8");
+at::Tensor q4_grouped_linear(at::Tensor x, std::vector<at::Tensor> packed, int64_t N,
+                                std::vector<c10::optional<at::Tensor>> biases, int64_t use_vnni) {
+  for (const auto& w : packed) TORCH_CHECK(w.scalar_type() == at::kByte, "packed must be uint8");
   return grouped_linear<Q4>(x, packed, std::vector<const float*>(packed.size(), nullptr), N, biases, use_vnni);
 }
 
 // As q4_grouped_linear for int8 weights, with their scales ([panels * 8] float32 each).
-torch::Tensor int8_grouped_linear(torch::Tensor x, std::vector<torch::Tensor> packed,
-                                  std::vector<torch::Tensor> scales, int64_t N,
-                                  std::vector<c10::optional<torch::Tensor>> biases, int64_t use_vnni) {
+at::Tensor int8_grouped_linear(at::Tensor x, std::vector<at::Tensor> packed,
+                                  std::vector<at::Tensor> scales, int64_t N,
+                                  std::vector<c10::optional<at::Tensor>> biases, int64_t use_vnni) {
   TORCH_CHECK(scales.size() == packed.size(), "int8_grouped_linear: one scale per weight");
   std::vector<const float*> sp;
   for (size_t e = 0; e < packed.size(); ++e) {
-    TORCH_CHECK(packed[e].scalar_type() == torch::kInt8, "packed must be int8");
-    TORCH_CHECK(scales[e].scalar_type() == torch::kFloat32 && scales[e].is_contiguous() &&
+    TORCH_CHECK(packed[e].scalar_type() == at::kChar, "packed must be int8");
+    TORCH_CHECK(scales[e].scalar_type() == at::kFloat && scales[e].is_contiguous() &&
                     scales[e].numel() == packed[e].size(0) * kFeatures,
                 "scale must be contiguous float32 [panels * 8]");
     sp.push_back(scales[e].data_ptr<float>());
