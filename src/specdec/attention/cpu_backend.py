@@ -22,6 +22,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from specdec.attention.batched_plan import row_indices
 from specdec.attention.torch_backend import TorchAttentionBackend, TorchAttentionPlan, write_kv
 from specdec.interfaces import AttentionSpec
 from specdec.kernels.cpu_linear import load_kernel
@@ -60,7 +61,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return CpuAttentionPlan(
             torch_plan=super().plan_one(layout, spec),
             row_seq=torch.repeat_interleave(torch.arange(len(q_lens)), q_lens).to(device),
-            row_index=torch.cat([torch.arange(n) for n in layout.q_lens]).to(device),
+            row_index=row_indices(layout.q_lens).to(device),
             kv_lens=torch.tensor(layout.kv_lens, dtype=torch.int64, device=device),
         )
 

@@ -5,7 +5,9 @@ gathered from the pages; one boolean mask carries causality, tree visibility, sl
 and padding, and ``scaled_dot_product_attention`` does the rest (:func:`soft_capped_attention`
 where the spec caps the scores, which SDPA cannot). All index and mask tensors are built once per
 step in :meth:`TorchAttentionBackend.plan` (per window where layers differ, see
-:mod:`specdec.attention.layered`); :meth:`run` only indexes and attends.
+:mod:`specdec.attention.layered`), for the whole batch at once
+(:mod:`specdec.attention.batched_plan`; :func:`visibility_mask` states the rule for one
+sequence); :meth:`run` only indexes and attends.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from specdec.attention.batched_plan import (
+    batch_visibility,
+    gather_slots,
+    padded_rows,
+    padded_tree_masks,
+)
 from specdec.attention.layered import LayeredPlan, plan_layers
 from specdec.interfaces import AttentionSpec
 from specdec.types import BatchLayout
@@ -86,36 +94,21 @@ class TorchAttentionBackend:
         device = layout.token_ids.device
 
         host = layout.host_copy()  # never a device sync for layouts the KV manager built
-        pages, indptr = host.kv_page_indices, host.kv_page_indptr
-        gather = torch.zeros(batch, max_kv, dtype=torch.int64)
-        offsets = torch.arange(page_size, dtype=torch.int64)
-        for i, kv_len in enumerate(kv_lens):
-            seq_pages = torch.tensor(pages[indptr[i] : indptr[i + 1]], dtype=torch.int64)
-            slots = (seq_pages.unsqueeze(1) * page_size + offsets).flatten()
-            gather[i, :kv_len] = slots[:kv_len]
-
-        tree_blocks = split_tree_mask(host.tree_mask, q_lens)
+        gather = gather_slots(host.kv_page_indices, host.kv_page_indptr, kv_lens, page_size)
         needs_mask = (
             batch > 1
             or max_q > 1
-            or tree_blocks[0] is not None
+            or host.tree_mask is not None
             or (spec.sliding_window is not None and max_kv > spec.sliding_window)
         )
         mask = None
         if needs_mask:
-            mask = torch.zeros(batch, 1, max_q, max_kv, dtype=torch.bool)
-            for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-                mask[i, 0, :q_len, :kv_len] = visibility_mask(
-                    q_len, kv_len, tree_blocks[i], spec.sliding_window
-                )
-                mask[i, 0, q_len:, 0] = True  # padded rows see one slot: no all-masked NaN rows
-            mask = mask.to(device)
+            trees = None if host.tree_mask is None else padded_tree_masks(host.tree_mask, q_lens)
+            mask = batch_visibility(q_lens, kv_lens, trees, spec.sliding_window).unsqueeze(1).to(device)
 
         q_scatter = None
         if batch > 1 and any(q != max_q for q in q_lens):
-            q_scatter = torch.cat(
-                [torch.arange(q, dtype=torch.int64) + i * max_q for i, q in enumerate(q_lens)]
-            ).to(device)
+            q_scatter = padded_rows(q_lens).to(device)
         return TorchAttentionPlan(
             spec=spec,
             slot_mapping=layout.slot_mapping.to(device=device, dtype=torch.int64),
