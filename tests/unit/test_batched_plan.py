@@ -17,7 +17,9 @@ from specdec.attention.batched_plan import (
     padded_tree_masks,
     row_indices,
 )
-from specdec.attention.torch_backend import split_tree_mask, visibility_mask
+from specdec.attention.torch_backend import TorchAttentionBackend, split_tree_mask, visibility_mask
+from specdec.interfaces import AttentionSpec
+from specdec.types import BatchLayout, LayoutHost
 
 
 def random_tree(q_len: int, rng: random.Random) -> torch.Tensor:  # [q_len, q_len] bool
@@ -84,3 +86,39 @@ def test_a_tree_row_is_not_mistaken_for_a_causal_one(window):
     assert not mask[0, 2, 5] and mask[0, 2, 4] and mask[0, 2, 6]
     causal = batch_visibility([3], [7], None, window)
     assert causal[0, 2, 5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), trees=st.booleans(), window=st.sampled_from([None, 2, 8]))
+def test_plan_one_matches_the_batched_functions_for_any_batch(seed, trees, window):
+    """plan_one takes the per-sequence rule for one sequence and the batched functions for
+    more: both give the batched functions' tensors."""
+    q_lens, kv_lens, pages, indptr, page_size, flat = scene(seed, trees)
+    for lo, hi in ((0, 1), (0, len(q_lens))):  # the first sequence alone, then all of them
+        q, kv = q_lens[lo:hi], kv_lens[lo:hi]
+        ptr = [p - indptr[lo] for p in indptr[lo : hi + 1]]
+        used = pages[indptr[lo] : indptr[hi]]
+        tree = None if flat is None else flat[: sum(n * n for n in q)]
+        layout = BatchLayout(
+            token_ids=torch.zeros(sum(q), dtype=torch.int64),
+            positions=torch.zeros(sum(q), dtype=torch.int64),
+            qo_indptr=torch.zeros(len(q) + 1, dtype=torch.int32),
+            kv_page_indptr=torch.tensor(ptr, dtype=torch.int32),
+            kv_page_indices=torch.tensor(used, dtype=torch.int32),
+            kv_last_page_len=torch.zeros(len(q), dtype=torch.int32),
+            slot_mapping=torch.zeros(sum(q), dtype=torch.int64),
+            q_lens=tuple(q),
+            kv_lens=tuple(kv),
+            page_size=page_size,
+            tree_mask=tree,
+            host=LayoutHost(tuple(ptr), tuple(used), tuple([0] * len(q)), tree),
+        )
+        spec = AttentionSpec(num_qo_heads=2, num_kv_heads=1, head_dim=4, sm_scale=0.5, sliding_window=window)
+        plan = TorchAttentionBackend().plan_one(layout, spec)
+        assert torch.equal(plan.kv_gather, gather_slots(used, ptr, kv, page_size))
+        trees_padded = None if tree is None else padded_tree_masks(tree, q)
+        expected = batch_visibility(q, kv, trees_padded, window)
+        if plan.mask is None:  # one causal decode row inside its window: every slot visible
+            assert expected.all()
+        else:
+            assert torch.equal(plan.mask[:, 0], expected)
