@@ -56,6 +56,7 @@ def per_sequence_tensors(layout: BatchLayout, sliding_window: int | None) -> tup
 
 
 def random_tree(n: int, rng: random.Random) -> torch.Tensor:  # [n, n] bool
+    """Row 0 the root; every later row a child of an earlier one; a row sees its ancestors."""
     mask = torch.zeros(n, n, dtype=torch.bool)
     for r in range(n):
         if r:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.attention_plan import random_tree
 from specdec.attention.batched_plan import (
     batch_visibility,
     gather_slots,
@@ -20,16 +21,6 @@ from specdec.attention.batched_plan import (
 from specdec.attention.torch_backend import TorchAttentionBackend, split_tree_mask, visibility_mask
 from specdec.interfaces import AttentionSpec
 from specdec.types import BatchLayout, LayoutHost
-
-
-def random_tree(q_len: int, rng: random.Random) -> torch.Tensor:  # [q_len, q_len] bool
-    """Row 0 the root; every later row a child of an earlier one; a row sees its ancestors."""
-    mask = torch.zeros(q_len, q_len, dtype=torch.bool)
-    for r in range(q_len):
-        if r:
-            mask[r] = mask[rng.randrange(r)]
-        mask[r, r] = True
-    return mask
 
 
 def scene(seed: int, trees: bool):
