@@ -618,6 +618,26 @@ def test_catch_up_is_paid_only_where_the_remaining_tokens_repay_it():
     assert policy.choose(switching_context(unseen=0, cap=5))[0] > 0  # nothing to catch up on
 
 
+def test_a_catch_up_costs_the_same_per_token_at_any_k():
+    """Measured on a q4 pair at two threads (AMD EPYC, benchmarks/policy_replay.py): a verify
+    row costs ~0.4 of a plain step, a drafted token 0.43, so only k = 1 pays, and a new
+    request's draft must first catch up on its 95-token prompt (0.32 s). Spread over the
+    request's 127 tokens that is 2.5 ms a token, and k = 1 beats plain (27.9 against 31 ms a
+    token); priced per step at the widest k's pace it looked three times dearer, and every
+    request after the first decoded plain."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    target = {1: 0.0310, 2: 0.0359, 3: 0.0487, 4: 0.0640, 5: 0.0797, 6: 0.0902}
+    for rows, seconds in target.items():
+        policy.observe_target(rows, seconds)
+    policy.observe_propose(1, 1, 0.0132, unseen=0)
+    policy.observe_propose(1, 1, 0.0132 + 0.0033 * 110, unseen=110)  # the first request's
+    for n in range(60):  # the first request: 9 in 10 first drafts accepted
+        policy.observe_verify(0, 1, int(n % 10 != 0))
+    policy.release(0)
+    new_request = SpeculationContext(seq_ids=(1,), params=(GREEDY,), caps=(126,), unseen=(95,), max_k=MAX_K)
+    assert policy.choose(new_request) == (1,)
+
+
 # ----------------------------------------------------------------------------- config
 
 

@@ -99,14 +99,15 @@ class AdaptivePolicy:
     """Per request and per step, the k that maximises the expected emitted tokens per second.
 
     For a plan ``k_r`` over the batch the step emits ``sum_r (1 + sum_{j <= k_r} s_r(j))``
-    tokens in ``T(sum_r (k_r + 1)) + D(n) * max_r k_r + sum_{k_r > 0} S_r`` seconds, where
+    tokens in ``T(sum_r (k_r + 1)) + D(n) * max_r k_r + sum_{k_r > 0} c_r e_r`` seconds, where
     ``T`` is the measured cost of a step's target work by its rows, ``D(n)`` the measured
     seconds per drafted token when ``n`` requests draft (only requests with ``k_r > 0`` are
     sent to the proposer), ``s_r(j)`` the estimated chance that the request's first ``j``
     drafts are all accepted (:meth:`survival`: per-position acceptances, each request's shrunk
-    toward the generator's), and ``S_r`` the
-    proposer's catch-up on the request's unseen tokens spread over the steps it has left
-    (:meth:`catchup_seconds`; zero for a request that drafted last step). For each drafting
+    toward the generator's), ``e_r`` the
+    tokens the step emits for the request and ``c_r`` the proposer's catch-up on the request's
+    unseen tokens (:meth:`catchup_seconds`; zero for a request that drafted last step) spread
+    over the tokens the request has left. For each drafting
     width ``W`` the marginal gains ``s_r(j)`` (``j <= W``) are taken in decreasing order and the
     prefix with the best rate is kept; each such plan is polished by single +-1 changes, and
     the best plan wins. All zeros (a plain step) wins unless something beats it.
@@ -261,7 +262,7 @@ class AdaptivePolicy:
             surv = [
                 self._survival(s, base[: min(ctx.max_k, c)]) for s, c in zip(ctx.seq_ids, ctx.caps)
             ]
-            switch = [self._switch_seconds(ctx, surv, r) for r in range(len(caps))]
+            switch = [self._catchup_per_token(ctx, r) for r in range(len(caps))]
             ks = self._plan(surv, caps, switch)
             self._add_probes(ctx, surv, caps, ks, switch)
         for seq_id, k in zip(ctx.seq_ids, ks):
@@ -269,17 +270,17 @@ class AdaptivePolicy:
             counts.zero_run = counts.zero_run + 1 if k == 0 else 0
         return tuple(ks)
 
-    def _switch_seconds(
-        self, ctx: SpeculationContext, surv: Sequence[Sequence[float]], r: int
-    ) -> float:
-        """Seconds per step that drafting for request ``r`` costs on top of its drafts: the
-        proposer's catch-up on its unseen tokens, spread over the steps the request has left if
-        it keeps drafting (a request about to finish does not pay for a long catch-up)."""
+    def _catchup_per_token(self, ctx: SpeculationContext, r: int) -> float:
+        """Seconds per emitted token that drafting for request ``r`` costs on top of its drafts:
+        the proposer's catch-up on its unseen tokens, paid once, spread over the tokens the
+        request has left (a request about to finish does not pay for a long catch-up). A step
+        that emits ``e`` tokens for the request carries ``e`` times this: at any k the catch-up
+        costs the same per token. (Spread per step at the widest k instead, it priced a k = 1
+        step ~3x too dear: a q4 pair at two threads, where only k = 1 pays, stayed plain for
+        every request after the first.)"""
         if ctx.unseen[r] <= 0:
             return 0.0
-        remaining = ctx.caps[r] + 1
-        per_step = _emitted(surv[r], len(surv[r]))
-        return self.catchup_seconds(ctx.unseen[r]) / max(1.0, remaining / per_step)
+        return self.catchup_seconds(ctx.unseen[r]) / (ctx.caps[r] + 1)
 
     def _rate(
         self, emitted: float, rows: int, drafting: int, width: int, extra: float = 0.0
@@ -302,7 +303,8 @@ class AdaptivePolicy:
                 rows += 1
                 if taken[r] == 0:
                     drafting += 1
-                    extra += switch[r]
+                    extra += switch[r]  # the request's base token now carries its catch-up
+                extra += switch[r] * gain
                 taken[r] += 1
                 rate = self._rate(emitted, rows, drafting, width, extra)
                 if rate > best_rate:
@@ -318,7 +320,7 @@ class AdaptivePolicy:
         self, surv: Sequence[Sequence[float]], switch: Sequence[float], ks: Sequence[int]
     ) -> float:
         emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
-        extra = sum(s for s, k in zip(switch, ks) if k > 0)
+        extra = _catchup(surv, switch, ks)
         return self._rate(emitted, sum(k + 1 for k in ks), sum(k > 0 for k in ks), max(ks), extra)
 
     def _refine(
@@ -337,7 +339,7 @@ class AdaptivePolicy:
         emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
         rows = sum(k + 1 for k in ks)
         drafting = sum(k > 0 for k in ks)
-        extra = sum(s for s, k in zip(switch, ks) if k > 0)
+        extra = _catchup(surv, switch, ks)
         counts = [0] * (max(caps, default=0) + 2)  # requests per k
         for k in ks:
             counts[k] += 1
@@ -352,7 +354,7 @@ class AdaptivePolicy:
                         rows + 1,
                         drafting + (k == 0),
                         max(width, k + 1),
-                        extra + (switch[r] if k == 0 else 0.0),
+                        extra + switch[r] * (surv[r][k] + (k == 0)),
                     )
                     if new > rate:
                         rate, move = new, (r, 1)
@@ -362,7 +364,7 @@ class AdaptivePolicy:
                         rows - 1,
                         drafting - (k == 1),
                         width - 1 if k == width and counts[k] == 1 else width,
-                        extra - (switch[r] if k == 1 else 0.0),
+                        extra - switch[r] * (surv[r][k - 1] + (k == 1)),
                     )
                     if new > rate:
                         rate, move = new, (r, -1)
@@ -372,10 +374,14 @@ class AdaptivePolicy:
             k = ks[r]
             counts[k] -= 1
             emitted += surv[r][k] if step > 0 else -surv[r][k - 1]
+            if step > 0:
+                extra += switch[r] * (surv[r][k] + (k == 0))
+            else:
+                extra -= switch[r] * (surv[r][k - 1] + (k == 1))
             if step > 0 and k == 0:
-                drafting, extra = drafting + 1, extra + switch[r]
+                drafting += 1
             elif step < 0 and k == 1:
-                drafting, extra = drafting - 1, extra - switch[r]
+                drafting -= 1
             ks[r] = k + step
             counts[k + step] += 1
             rows += step
@@ -405,7 +411,7 @@ class AdaptivePolicy:
             drafting = sum(k > 0 for k in ks)
             width = max(ks)
             emitted = sum(_emitted(s, k) for s, k in zip(surv, ks))
-            extra = sum(s for s, k in zip(switch, ks) if k > 0)
+            extra = _catchup(surv, switch, ks)
             now = self.step_seconds(rows, drafting, width) + extra
             rate = emitted / now if now > 0 else math.inf
             # Worth knowing only if a good acceptance would make this request draft.
@@ -415,7 +421,7 @@ class AdaptivePolicy:
                     rows + j,
                     drafting + 1,
                     max(width, j),
-                    extra + switch[r],
+                    extra + switch[r] * _emitted(optimistic, j),
                 )
                 > rate
                 for j in range(1, caps[r] + 1)
@@ -491,6 +497,12 @@ def _emitted(surv: Sequence[float], k: int) -> float:
     """Expected tokens a step with ``k`` drafts emits: the recovered or bonus token, plus each
     draft's chance of being reached and accepted."""
     return 1.0 + math.fsum(surv[:k])
+
+
+def _catchup(surv: Sequence[Sequence[float]], switch: Sequence[float], ks: Sequence[int]) -> float:
+    """A plan's catch-up seconds this step: each drafting request's per-token share times the
+    tokens it is expected to emit."""
+    return math.fsum(c * _emitted(s, k) for s, c, k in zip(surv, switch, ks) if k > 0)
 
 
 def _gains(
