@@ -213,7 +213,7 @@ def coin_rule(seed: int):
     from specdec.proposers.hybrid import CostRule
 
     class CoinRule(CostRule):
-        def prefer_suffix(self, seq_id, tree, k) -> bool:
+        def prefer_suffix(self, seq_id, tree, k, lag=0, remaining=None) -> bool:
             return bool(tree.tokens) and rng.random() < 0.5
 
     rng = random.Random(seed)

@@ -167,7 +167,11 @@ def _prefix_cache(pool_owner: Proposer | None, cache_config: CacheConfig) -> Pre
         return PrefixCache(cache_config.page_size)
     if not isinstance(pool_owner, SharesCachedPrefix):
         return None  # a plug-in's pool of unknown validity: no sharing rather than wrong KV
-    return PrefixCache(cache_config.page_size, lookahead=pool_owner.kv_lookahead)
+    return PrefixCache(
+        cache_config.page_size,
+        lookahead=pool_owner.kv_lookahead,
+        partial=getattr(pool_owner, "catches_up_from_tokens", False) is True,
+    )
 
 
 def _pass_graphs(

@@ -589,6 +589,8 @@ class Engine:
                 self._finish(req, req.finish_reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if reason is not FinishReason.ERROR:
+            self._cache_target_prefix(req)
         self.scheduler.finish(req, reason)
         self._release_proposer(req, reason.request_end)
 
@@ -605,13 +607,27 @@ class Engine:
                 valid = min(valid, self._prefix_pool.kv_valid_slots(req.seq_id, valid))
             manager.cache_prefix(req.seq_id, req.token_ids, valid, req.params.cache_salt)
 
+    def _cache_target_prefix(self, req: Request) -> None:
+        """A request that ends keys its pages whose KV is final in the target's pool but not in
+        the proposer's, where the cache reuses such pages (a proposer that catches up from
+        tokens: a draft model, which a suffix tree may have left far behind): a retried
+        request or the next turn of a chat then skips the target's prefill over them."""
+        manager = self.target_kv.manager
+        cache = manager.prefix_cache
+        if cache is None or not cache.partial or self._prefix_pool is None:
+            return
+        if req.num_computed <= 0 or not manager.has_sequence(req.seq_id):
+            return
+        valid = self._prefix_pool.kv_valid_slots(req.seq_id, req.num_computed)
+        manager.cache_prefix(req.seq_id, req.token_ids, valid, req.params.cache_salt, req.num_computed)
+
     def _start_requests(self, reqs: Sequence[Request]) -> None:
         """Tell the proposer about the requests admitted this step: where a cached prefix
         starts them, and (a proposer that tracks requests) that they started."""
         if self._prefix_pool is not None:
             for req in reqs:
                 if req.num_computed > 0:
-                    self._prefix_pool.adopt_prefix(req.seq_id, req.num_computed)
+                    self._prefix_pool.adopt_prefix(req.seq_id, req.num_cached_for_proposer)
         if self._tracker is None:
             return
         for req in reqs:

@@ -96,6 +96,9 @@ class Request:
     transform: RequestLogits | None = None
     token_ids: list[int] = attrs.field(init=False)
     num_computed: int = 0
+    # Of the first num_computed slots, how many the proposer's pool holds too when a prefix
+    # cache hit started the request (the rest were final in the target's pool only).
+    num_cached_for_proposer: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: BaseException | None = None

@@ -126,7 +126,7 @@ class BatchScheduler:
             if self.kv.pages_for(need) + headroom > self.kv.allocator.num_free_pages:
                 break
             self.kv.add_sequence(req.seq_id)
-            req.num_computed = self._attach_prefix(req)
+            req.num_computed, req.num_cached_for_proposer = self._attach_prefix(req)
             self.kv.reserve(req.seq_id, need)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -136,13 +136,14 @@ class BatchScheduler:
             headroom += 1
         return admitted
 
-    def _attach_prefix(self, req: Request) -> int:
-        """Start ``req`` on the cached pages of its longest cached prefix; the slots they hold.
+    def _attach_prefix(self, req: Request) -> tuple[int, int]:
+        """Start ``req`` on the cached pages of its longest cached prefix; the slots they hold,
+        and how many of those the proposer's pool holds too.
 
         Prompt logprobs need every prompt row's logits, so those requests compute them all.
         """
         if req.params.prompt_logprobs is not None:
-            return 0
+            return 0, 0
         return self.kv.attach_prefix(req.seq_id, req.token_ids, req.params.cache_salt)
 
     def _preempt(self, req: Request) -> None:

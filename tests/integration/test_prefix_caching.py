@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
 import torch
-from helpers import random_head
+from helpers import coin_rule, random_head
 
 from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.models.eagle_head import EagleHeadConfig, EagleHeadModel, EagleKind
-from specdec.proposers import DraftModel, EAGLETree, MTPHead, PromptLookup
+from specdec.proposers import (
+    DraftModel,
+    EAGLETree,
+    MTPHead,
+    PromptLookup,
+    SuffixDecoding,
+    SuffixHybrid,
+)
+from specdec.proposers.hybrid import CostRule
 
 PAGE = 4
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -43,6 +52,9 @@ def _proposer(name: str, target, draft):
         return MTPHead.from_model(random_head(target, 1), num_speculative_tokens=3)
     if name == "eagle":
         return EAGLETree.from_model(_eagle_head(target), None)
+    if name == "hybrid":  # suffix trees or the draft model, by coin flips: partial pages too
+        return SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=3),
+                            SuffixDecoding(num_speculative_tokens=3), rule=coin_rule(5))  # fmt: skip
     return PromptLookup(num_speculative_tokens=3)
 
 
@@ -67,7 +79,7 @@ def _assert_all_free(gen: Generator) -> None:
     assert stats["num_free_pages"] == stats["num_total_pages"], stats
 
 
-@pytest.mark.parametrize("name", ["plain", "draft", "mtp", "eagle", "lookup"])
+@pytest.mark.parametrize("name", ["plain", "draft", "mtp", "eagle", "lookup", "hybrid"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_cached_prefixes_leave_outputs_unchanged(tiny_pair, name, params):
     target, draft = tiny_pair
@@ -129,6 +141,47 @@ def test_cached_pages_hold_every_pools_kv(tiny_pair, name):
         cached = _kv_after_warmup(target, broken, prompts, caching=True)
         torch.testing.assert_close(cached[0], expected[0], rtol=0, atol=1e-10)  # the target's
         assert not torch.allclose(cached[1], expected[1], rtol=0, atol=1e-6)  # the head's
+
+
+@attrs.define
+class _SwitchRule(CostRule):
+    """A SuffixHybrid rule told which side drafts: ``suffix`` True drafts from the suffix
+    tree (nothing when it is empty: a plain step), so the draft model never runs."""
+
+    suffix: bool = True
+
+    def prefer_suffix(self, seq_id, tree, k, lag=0, remaining=None) -> bool:
+        return self.suffix
+
+
+def test_a_draft_model_left_behind_still_reuses_the_targets_pages(tiny_pair):
+    """A request its suffix trees drafted ends with the draft model never run: its pages are
+    final in the target's pool only. A later prompt sharing them skips the target's prefill
+    there (pages marked partial, copied for it), and when the draft model drafts it catches up
+    over them: every pool then holds the K/V of a prompt prefilled from scratch. Without
+    partial pages the draft model's pool kept the hit at zero."""
+    target, draft = tiny_pair
+    prompts = _shared_prefix_prompts(target.config.vocab_size, seed=12, prefix_len=36)[::2]
+
+    def hybrid(rule):
+        return SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=3),
+                            SuffixDecoding(num_speculative_tokens=3), rule=rule)  # fmt: skip
+
+    expected = _kv_after_warmup(target, hybrid(_SwitchRule(suffix=False)), prompts, caching=False)
+    rule = _SwitchRule(suffix=True)
+    gen = _generator(target, hybrid(rule), caching=True)
+    first = gen.generate(prompts[0], GREEDY)
+    assert gen.proposer.num_model_steps == 0 and gen.kv_stats()["prefix_cache_partial_pages"] == (
+        len(prompts[0]) + GREEDY.max_new_tokens - 1) // PAGE  # every full page the target computed
+    rule.suffix = False  # the draft model drafts from now on: it catches up over the copies
+    cached = _prompt_kv(gen, prompts[1])
+    assert gen.kv_stats()["prefix_cache_hit_tokens"] == 9 * PAGE and gen.proposer.num_model_steps > 0
+    assert len(cached) == len(expected) == 2
+    for got, want in zip(cached, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    plain = _generator(target, None, caching=False)
+    assert first.token_ids == plain.generate(prompts[0], GREEDY).token_ids
+    _assert_all_free(gen)
 
 
 def test_a_cached_prompt_prefills_only_its_last_page(tiny_pair):

@@ -14,8 +14,9 @@ from specdec.kv.prefix_cache import PrefixCache, next_key, root_key
 SPEC = KVSpec(name="target", num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
 
 
-def make(num_pages: int = 8, page_size: int = 4, lookahead: int = 0, manager=KVCacheManager):
-    kv = manager(PageAllocator(num_pages), page_size, prefix_cache=PrefixCache(page_size, lookahead=lookahead))
+def make(num_pages: int = 8, page_size: int = 4, lookahead: int = 0, manager=KVCacheManager, partial=False):
+    cache = PrefixCache(page_size, lookahead=lookahead, partial=partial)
+    kv = manager(PageAllocator(num_pages), page_size, prefix_cache=cache)
     kv.add_pool(SPEC)
     return kv
 
@@ -23,7 +24,8 @@ def make(num_pages: int = 8, page_size: int = 4, lookahead: int = 0, manager=KVC
 def run(kv: KVCacheManager, seq_id: int, tokens: list[int], salt: str | None = None) -> int:
     """Admit ``tokens`` (attaching cached pages), 'compute' the rest, key what is final."""
     kv.add_sequence(seq_id)
-    cached = kv.attach_prefix(seq_id, tokens, salt)
+    cached, complete = kv.attach_prefix(seq_id, tokens, salt)
+    assert complete == cached  # every page was keyed complete
     kv.reserve(seq_id, len(tokens))
     kv.cache_prefix(seq_id, tokens, len(tokens), salt)
     return cached
@@ -111,6 +113,51 @@ def test_only_final_pages_are_keyed():
     assert kv.cache_prefix(0, list(range(12)), 5) == [kv.page_table(0)[0]]  # slots 0..4 final
     assert kv.cache_prefix(0, list(range(12)), 5) == []  # nothing new
     assert len(kv.cache_prefix(0, list(range(12)), 12)) == 2
+
+
+def _end_with_target_only(kv, seq_id: int, tokens: list[int], proposer_valid: int) -> None:
+    """A sequence whose proposer ran its first ``proposer_valid`` slots ends: it keys what is
+    final in every pool, then (ending) what is final in the target's pool."""
+    kv.add_sequence(seq_id)
+    kv.attach_prefix(seq_id, tokens)
+    kv.reserve(seq_id, len(tokens))
+    kv.cache_prefix(seq_id, tokens, proposer_valid)
+    kv.cache_prefix(seq_id, tokens, proposer_valid, None, len(tokens))
+    kv.free(seq_id)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_target_only_pages_serve_a_proposer_that_catches_up_as_private_copies(partial):
+    """A draft model left behind (a suffix tree drafted) still lets a retried request skip the
+    target's prefill: the pages past the draft's KV are found, marked partial, and copied so
+    the draft can write there; a cache for heads (not ``partial``) never hands them out."""
+    kv = make(num_pages=12, partial=partial)
+    tokens = list(range(14))  # 3 full pages
+    _end_with_target_only(kv, 0, tokens, proposer_valid=5)  # page 0 complete, 1 and 2 target-only
+    assert kv.stats()["prefix_cache_partial_pages"] == (2 if partial else 0)
+    kv.add_sequence(1)
+    cached = kv.attach_prefix(1, tokens + [99])
+    assert cached == ((12, 4) if partial else (4, 4))
+    table = kv.page_table(1)
+    assert kv.allocator.refcount(table[0]) == 1 and kv.allocator.lookup(next_key(root_key(None), tokens[:4])) == table[0]
+    if partial:  # the partial pages are the sequence's own: the draft may write its KV there
+        assert all(kv.allocator.lookup(k) not in table[1:] for k in [kv.prefix_cache.chain_key(tokens, 2, None),
+                                                                    kv.prefix_cache.chain_key(tokens, 3, None)])
+        kv.reserve(1, 15)
+        kv.build_layout([1], [[5]], [4])  # writing slot 4 (a copied page) is allowed
+    kv.free(1)
+
+
+def test_without_free_pages_for_the_copies_only_complete_pages_are_used():
+    kv = make(num_pages=4, partial=True)
+    tokens = list(range(14))
+    _end_with_target_only(kv, 0, tokens, proposer_valid=4)
+    kv.add_sequence(1)
+    hog = kv.allocator.allocate(kv.allocator.num_free_pages - 3)  # the 3 cached pages stay
+    assert kv.attach_prefix(1, tokens + [1]) == (4, 4)  # copies of 2 pages do not fit
+    assert len(kv.page_table(1)) == 1
+    kv.free(1)
+    kv.allocator.free(hog)
 
 
 def test_a_follower_replaying_the_journal_keeps_the_same_pages():

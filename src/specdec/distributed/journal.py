@@ -87,8 +87,8 @@ class JournaledKVCacheManager(KVCacheManager):
         if pages:
             self._record(PageOp.SHARE_PAGES, seq_id, *pages)
 
-    def cache_prefix(self, seq_id, token_ids, num_valid_slots, salt=None) -> list[int]:
-        keyed = super().cache_prefix(seq_id, token_ids, num_valid_slots, salt)
+    def cache_prefix(self, seq_id, token_ids, num_valid_slots, salt=None, num_target_slots=None) -> list[int]:
+        keyed = super().cache_prefix(seq_id, token_ids, num_valid_slots, salt, num_target_slots)
         if keyed:
             self._record(PageOp.KEY_PAGES, *keyed)
         return keyed

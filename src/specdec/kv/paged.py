@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from specdec.config import positive_int
-from specdec.kv.allocator import PageAllocator, require_int
+from specdec.kv.allocator import OutOfPages, PageAllocator, require_int
 from specdec.kv.prefix_cache import PrefixCache
 from specdec.types import BatchLayout, LayoutHost
 
@@ -286,22 +286,37 @@ class KVCacheManager:
 
     # ---- prefix caching ---------------------------------------------------------------------
 
-    def attach_prefix(self, seq_id: int, token_ids: Sequence[int], salt: str | None = None) -> int:
+    def attach_prefix(
+        self, seq_id: int, token_ids: Sequence[int], salt: str | None = None
+    ) -> tuple[int, int]:
         """Start the empty sequence ``seq_id`` on the cached pages of ``token_ids``' longest
-        cached prefix (shared, read-only); returns the slots they cover (0 without a cache).
+        cached prefix (shared, read-only); returns the slots they cover and how many of those
+        (from slot 0) are final in every pool; (0, 0) without a cache.
 
-        The sequence's prefill then starts at that slot. At least one token is left uncached.
+        The sequence's prefill then starts at the first; the proposer's pool is final up to the
+        second. Pages past it (partial: final in the target's pool only, see
+        :mod:`~specdec.kv.prefix_cache`) become the sequence's own copies at once, as the
+        proposer will write its KV there when it catches up; with too few free pages for the
+        copies only the complete pages are used. At least one token is left uncached.
         """
         table = self._table(seq_id)
         cache = self.prefix_cache
         if cache is None:
-            return 0
+            return 0, 0
         if table:
             raise ValueError(f"sequence {seq_id} already holds pages; attach_prefix starts empty ones")
-        pages, key = cache.match(self.allocator, token_ids, salt)
+        pages, key, complete = cache.match(self.allocator, token_ids, salt)
         self.share_pages(seq_id, pages)
         cache.start(seq_id, len(pages), key)
-        return len(pages) * self.page_size
+        slots, complete_slots = len(pages) * self.page_size, complete * self.page_size
+        if complete_slots < slots:
+            try:
+                self.ensure_writable(seq_id, complete_slots)
+            except OutOfPages:
+                self.truncate(seq_id, complete_slots)
+                cache.start(seq_id, complete, cache.chain_key(token_ids, complete, salt))
+                slots = complete_slots
+        return slots, complete_slots
 
     def share_pages(self, seq_id: int, pages: Sequence[int]) -> None:
         """Append ``pages`` (held or cached) to ``seq_id``'s table, one reference each."""
@@ -310,15 +325,24 @@ class KVCacheManager:
         table.extend(pages)
 
     def cache_prefix(
-        self, seq_id: int, token_ids: Sequence[int], num_valid_slots: int, salt: str | None = None
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_valid_slots: int,
+        salt: str | None = None,
+        num_target_slots: int | None = None,
     ) -> list[int]:
         """Key ``seq_id``'s full pages below ``num_valid_slots`` (its KV is final there in every
         pool), so later prompts find them; returns the pages keyed now. A no-op without a cache.
+        ``num_target_slots``: the target's KV is final up to there (a partial cache keys the
+        pages in between as partial; for a sequence that ends, as it writes them no more).
         """
         table = self._table(seq_id)
         if self.prefix_cache is None:
             return []
-        return self.prefix_cache.keyed(self.allocator, seq_id, table, token_ids, num_valid_slots, salt)
+        return self.prefix_cache.keyed(
+            self.allocator, seq_id, table, token_ids, num_valid_slots, salt, num_target_slots
+        )
 
     def fork(self, src_seq_id: int, dst_seq_id: int) -> None:
         """Start ``dst_seq_id`` sharing every page of ``src_seq_id`` (prefix sharing).

@@ -63,6 +63,9 @@ class DraftModel:
     kind = ProposalKind.CHAIN
     needs_target_hidden = False
     kv_lookahead = 0  # prefix caching (SharesCachedPrefix): a draft's KV at p sees tokens <= p
+    # ... and it runs what it has not seen when it next drafts: a cached page final in the
+    # target's pool only is reusable (the draft catches up over it).
+    catches_up_from_tokens = True
 
     def __init__(
         self, model: LlamaModel, config: ChainProposerConfig, *, draft_vocab: object = None, tokenizer: object = None

@@ -13,10 +13,16 @@ time from what it measures live:
   (a chain of k at acceptance a: a + a^2 + ... + a^k; the generator-wide rate before the
   request has any);
 - the model's drafting time relative to the target pass (both timed here: ``propose`` of the
-  model, and from the end of drafting to ``on_target_step``).
+  model, and from the end of drafting to ``on_target_step``), measured on calls that caught up
+  on nothing;
+- the model's catch-up: a request its suffix trees drafted has tokens the model never ran (a
+  whole prompt when the model has not drafted for it yet), which its next model step runs
+  first. Priced per token (measured on the calls that caught up), spread over the steps the
+  request has left, as the model drafts on from there.
 
 A request drafts from the suffix tree when ``1 + suffix_expected >= (1 + model_expected) /
-(1 + draft_cost)``. How many tokens stay the policy's choice (k per request), and the suffix
+(1 + draft_cost + catch_up)``. (Unpriced, one catch-up of a 600-token chat on a 2-core AMD
+machine cost more than the suffix trees saved on the whole request.) How many tokens stay the policy's choice (k per request), and the suffix
 tree shrinks with its match as always.
 
 Lossless with any rule: each request's drafts are verified by the tree rules, a chain as a
@@ -45,17 +51,27 @@ __all__ = ["CostRule", "HybridRule", "SuffixHybrid"]
 
 
 class HybridRule(Protocol):
-    """Decides, per request, whether its suffix tree drafts (``True``) or the model does."""
+    """Decides, per request, whether its suffix tree drafts (``True``) or the model does.
 
-    def prefer_suffix(self, seq_id: int, tree: DraftTree, k: int) -> bool: ...
+    ``lag``: tokens of the request the model has not run (its next drafting step runs them
+    first); ``remaining``: tokens the request may still emit (``None``: unknown)."""
 
-    def value(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
+    def prefer_suffix(
+        self, seq_id: int, tree: DraftTree, k: int, lag: int = 0, remaining: int | None = None
+    ) -> bool: ...
+
+    def value(
+        self, seq_id: int, tree: DraftTree, k: int, lag: int = 0, remaining: int | None = None
+    ) -> tuple[float, float]:
         """(expected tokens per step-time from the suffix tree, from the model)."""
         ...
 
     def observe(self, seq_id: int, used_suffix: bool, predicted: float, drafted: int, accepted: int) -> None: ...
 
-    def observe_times(self, draft_s: float | None, target_s: float) -> None: ...
+    def observe_times(self, draft_s: float | None, target_s: float, unseen: int = 0) -> None:
+        """The model's ``propose`` took ``draft_s`` (``None``: it did not draft), catching up
+        on ``unseen`` tokens in all; the target pass after it ``target_s``."""
+        ...
 
     def release(self, seq_id: int) -> None: ...
 
@@ -86,25 +102,40 @@ class CostRule:
     decay: float = 0.3
     prior_acceptance: float = 0.6  # the model's acceptance before anything is measured
     draft_cost: float = 0.0  # model drafting time / target pass time (EMA, measured)
+    catchup_cost: float | None = None  # per caught-up token / target pass time (EMA, measured)
     model_acceptance: float | None = None  # generator-wide (EMA)
     _requests: dict[int, _RequestStats] = attrs.field(factory=dict)
 
     def _stats(self, seq_id: int) -> _RequestStats:
         return self._requests.setdefault(seq_id, _RequestStats())
 
-    def value(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
+    def value(
+        self, seq_id: int, tree: DraftTree, k: int, lag: int = 0, remaining: int | None = None
+    ) -> tuple[float, float]:
         stats = self._stats(seq_id)
         suffix = 1.0 + stats.suffix_ratio * tree.score
         rate = stats.model_acceptance
         if rate is None:
             rate = self.prior_acceptance if self.model_acceptance is None else self.model_acceptance
-        model = (1.0 + chain_expectation(rate, k)) / (1.0 + self.draft_cost)
+        emitted = 1.0 + chain_expectation(rate, k)
+        model = emitted / (1.0 + self.draft_cost + self.catchup_share(lag, remaining, emitted))
         return suffix, model
 
-    def prefer_suffix(self, seq_id: int, tree: DraftTree, k: int) -> bool:
+    def catchup_share(self, lag: int, remaining: int | None, per_step: float) -> float:
+        """A catch-up on ``lag`` tokens in target passes, spread over the model steps (``per_step``
+        tokens each) of a request with ``remaining`` tokens left (all of it at once when
+        unknown); 0 before one is measured (tried once, then priced)."""
+        if lag <= 0 or not self.catchup_cost:
+            return 0.0
+        steps = 1.0 if remaining is None else max(1.0, remaining / per_step)
+        return self.catchup_cost * lag / steps
+
+    def prefer_suffix(
+        self, seq_id: int, tree: DraftTree, k: int, lag: int = 0, remaining: int | None = None
+    ) -> bool:
         if not tree.tokens:
             return False
-        suffix, model = self.value(seq_id, tree, k)
+        suffix, model = self.value(seq_id, tree, k, lag, remaining)
         return suffix >= model
 
     def observe(self, seq_id: int, used_suffix: bool, predicted: float, drafted: int, accepted: int) -> None:
@@ -120,9 +151,18 @@ class CostRule:
             self.model_acceptance = rate if self.model_acceptance is None else (
                 self.model_acceptance + 0.1 * (rate - self.model_acceptance))  # fmt: skip
 
-    def observe_times(self, draft_s: float | None, target_s: float) -> None:
-        if draft_s is not None and target_s > 0:
+    def observe_times(self, draft_s: float | None, target_s: float, unseen: int = 0) -> None:
+        if draft_s is None or target_s <= 0:
+            return
+        if unseen <= 0:
             self.draft_cost += self.decay * (draft_s / target_s - self.draft_cost)
+            return
+        # The call caught up too: what it took beyond a drafting step, per caught-up token.
+        per_token = max(0.0, draft_s / target_s - self.draft_cost) / unseen
+        if self.catchup_cost is None:
+            self.catchup_cost = per_token
+        else:
+            self.catchup_cost += self.decay * (per_token - self.catchup_cost)
 
     def release(self, seq_id: int) -> None:
         self._requests.pop(seq_id, None)
@@ -153,6 +193,7 @@ class SuffixHybrid:
         self.needs_target_hidden = model.needs_target_hidden
         self._steps: dict[int, tuple[bool, float, int]] = {}  # seq_id -> (suffix?, predicted, drafted)
         self._draft_s: float | None = None
+        self._draft_unseen = 0  # tokens the model caught up on in its last propose call
         self._drafted_at: float | None = None
         self.num_suffix_steps = 0  # request steps drafted by each side, for metrics and tests
         self.num_model_steps = 0
@@ -175,7 +216,8 @@ class SuffixHybrid:
         # (set_target_tokenizer) and ReportsLag (lag: the model's, as only the model catches
         # up) are the model's: present exactly when the model has them. (No CapturesGraphs:
         # the model drafts eagerly.)
-        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix", "set_target_tokenizer", "lag"):
+        if name in ("kv_lookahead", "kv_valid_slots", "adopt_prefix", "catches_up_from_tokens",
+                    "set_target_tokenizer", "lag"):  # fmt: skip
             return getattr(self.__dict__["model"], name)
         raise AttributeError(name)
 
@@ -199,7 +241,7 @@ class SuffixHybrid:
 
     def on_target_step(self, step: TargetStep) -> None:
         if self._drafted_at is not None:  # the target pass of the step this proposer drafted
-            self.rule.observe_times(self._draft_s, time.perf_counter() - self._drafted_at)
+            self.rule.observe_times(self._draft_s, time.perf_counter() - self._drafted_at, self._draft_unseen)
             self._drafted_at = None
         for seq_id, accepted in zip(step.seq_ids, step.num_accepted):
             taken = self._steps.pop(seq_id, None)
@@ -217,9 +259,14 @@ class SuffixHybrid:
         k_model = min(k, self.model.num_speculative_tokens)  # each side within its own width
         n = len(ctx.seq_ids)
         trees = [self.suffix.tree_for(s, h, k_suffix) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
-        use_suffix = [self.rule.prefer_suffix(s, t, k_model) for s, t in zip(ctx.seq_ids, trees)]
+        lags, remaining = self._lags(ctx), _remaining(ctx)
+        use_suffix = [
+            self.rule.prefer_suffix(s, t, k_model, lag, left)
+            for s, t, lag, left in zip(ctx.seq_ids, trees, lags, remaining)
+        ]
         model_rows = [i for i in range(n) if not use_suffix[i]]
         model_out, self._draft_s = None, None
+        self._draft_unseen = sum(lags[i] for i in model_rows)
         if model_rows:
             start = time.perf_counter()
             model_out = self.model.propose(_select(ctx, model_rows, k_model))
@@ -247,6 +294,13 @@ class SuffixHybrid:
             parents=pad_rows(parents, k, ctx.device),  # [batch, k], -1 padded
         )
 
+    def _lags(self, ctx: ProposeContext) -> list[int]:
+        """Per request, the tokens the model has not run (0 for a model that keeps no state)."""
+        lag = getattr(self.model, "lag", None)
+        if lag is None:
+            return [0] * len(ctx.seq_ids)
+        return [lag(s, len(h)) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
+
     def _merge_model(self, out: DraftProposal | None, rows: list[int], tokens, parents, ctx, k) -> torch.Tensor | None:
         """Put the model's drafts of ``rows`` into ``tokens``/``parents`` (a chain as a
         one-path tree); its draft distributions when some unseeded sampled request reads them."""
@@ -267,6 +321,16 @@ class SuffixHybrid:
         index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
         probs[index, :width] = out.draft_probs[:, :width]
         return probs  # [batch, k, vocab]; suffix rows all zero: judged as fixed choices
+
+
+def _remaining(ctx: ProposeContext) -> list[int | None]:
+    """Per request, the tokens it may still emit (``None`` where the prompt length is unknown)."""
+    if not ctx.prompt_lens:
+        return [None] * len(ctx.seq_ids)
+    return [
+        max(0, p.max_new_tokens - (len(h) - n))
+        for p, h, n in zip(ctx.params, ctx.token_ids, ctx.prompt_lens)
+    ]
 
 
 def _select(ctx: ProposeContext, rows: list[int], k: int) -> ProposeContext:
