@@ -704,6 +704,33 @@ def flat_then_linear(policy: AdaptivePolicy, flat_rows: int = 8, base: float = 0
         policy.observe_target(rows, base * max(1.0, rows / flat_rows))
 
 
+def test_an_unmeasured_drafting_batch_is_priced_as_the_target_scales():
+    """The draft's cost at a batch it never drafted for is its largest measured batch's, grown
+    as the target's pass grows over as many rows (flat where the target is flat). Priced flat
+    from a batch-1 step, a cold batch-4 step on a 1-thread CPU (the target's 4-row pass 3x
+    its 1-row one) started four requests drafting, with four catch-ups, and ran at 0.90x
+    plain; measured at batch 4, the real cost decides."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    for rows, seconds in ((1, 0.07), (2, 0.14), (4, 0.21), (8, 0.26)):
+        policy.observe_target(rows, seconds)
+    policy.observe_propose(1, 1, 0.03, unseen=0)  # one request drafted one token: 0.03 s
+    assert policy.draft_per_token(1) == pytest.approx(0.03)
+    assert policy.draft_per_token(4) == pytest.approx(0.03 * 0.21 / 0.07)  # not 0.03
+    assert policy.choose(context(4)) == (0, 0, 0, 0)  # at 0.03 a token, k = 1 for all would pay
+    policy.observe_propose(4, 1, 0.03, unseen=0)  # measured: as cheap as one request's
+    assert policy.draft_per_token(4) == pytest.approx(0.03)
+    assert any(policy.choose(context(4)))
+    trees = policy.trees  # the same for trees, per size bucket
+    trees.observe_propose(1, 16, 0.05)
+    assert trees.draft_seconds(16, 4, policy.target_cost) == pytest.approx(0.05 * 0.21 / 0.07)
+    assert trees.draft_seconds(16, 1, policy.target_cost) == pytest.approx(0.05)
+    flat = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))  # a GPU: the target is flat
+    for rows in (1, 2, 4, 8):
+        flat.observe_target(rows, 0.02)
+    flat.observe_propose(1, 1, 0.005, unseen=0)
+    assert flat.draft_per_token(4) == pytest.approx(0.005)
+
+
 def test_tree_sizes_are_powers_of_two_and_the_whole_tree():
     assert TreeSizer.sizes(16) == [1, 2, 4, 8, 16]
     assert TreeSizer.sizes(20) == [1, 2, 4, 8, 16, 20]

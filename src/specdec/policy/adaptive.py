@@ -212,8 +212,27 @@ class AdaptivePolicy:
     def step_seconds(self, rows: int, drafting: int, width: int) -> float:
         """Estimated seconds of a step: ``rows`` target rows, ``drafting`` requests drafting
         ``width`` tokens."""
-        draft = self.draft_cost.estimate(drafting) * width if width > 0 else 0.0
+        draft = self.draft_per_token(drafting) * width if width > 0 else 0.0
         return self.target_cost.estimate(rows, optimistic=True) + draft
+
+    def draft_per_token(self, drafting: int) -> float:
+        """Seconds per drafted token when ``drafting`` requests draft (0 before a measurement).
+
+        Past the largest measured count the draft is assumed to grow as the target's pass does
+        over as many rows, not to stay flat: on a 1-thread CPU a 0.5B draft over 3 rows took
+        2.4x its 1-row step, and priced flat from the warm-up's 1-row step, a cold batch-4 step
+        started all four requests drafting, four catch-ups at once, where drafting did not pay
+        (0.90x plain). Where the target's pass is flat in its rows (a GPU) this is flat too.
+        """
+        curve = self.draft_cost
+        top = curve.largest
+        if top is None:
+            return 0.0
+        per_token = curve.estimate(drafting)
+        if drafting <= top:
+            return per_token
+        t_top, t_now = self.target_cost.estimate(top), self.target_cost.estimate(drafting)
+        return per_token * t_now / t_top if t_top > 0 and t_now > t_top else per_token
 
     def catchup_seconds(self, unseen: int) -> float:
         """Estimated extra drafting time for ``unseen`` tokens the proposer has not seen.
@@ -456,7 +475,7 @@ class AdaptivePolicy:
             return
         # The call also caught up on unseen tokens: split its time into drafting and catch-up.
         if self.draft_cost.measured:
-            per_token = self.draft_cost.estimate(batch)
+            per_token = self.draft_per_token(batch)
         else:
             # No clean measurement yet: assume draft forwards cost like the target's over the
             # same rows, scaled. The first forward ran unseen + batch rows, the other
@@ -472,7 +491,7 @@ class AdaptivePolicy:
         if unseen <= 0:
             self.trees.observe_propose(batch, n, seconds)
         elif self.trees.draft_measured(n):
-            drafting = self.trees.draft_seconds(n, batch)
+            drafting = self.trees.draft_seconds(n, batch, self.target_cost)
             self.catchup_cost.observe(unseen, max(0.0, seconds - drafting))
         # Else the split is unknown and the call is not recorded at all: taken as drafting
         # cost, the catch-up would price the size too dear to be tried again before a probe

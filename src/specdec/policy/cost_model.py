@@ -101,6 +101,11 @@ class CostCurve:
             top = max(top, y)
             self._ys.append(top)
 
+    @property
+    def largest(self) -> float | None:
+        """The largest measured size (an average within its bucket); ``None`` before any."""
+        return self._xs[-1] if self._xs else None
+
     def measured_up_to(self, size: float) -> bool:
         """Whether some measurement is of ``size`` or less (below the smallest, estimates are
         extrapolated: see :meth:`estimate`)."""

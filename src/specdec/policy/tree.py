@@ -98,14 +98,23 @@ class TreeSizer:
         got, expected = self._ratio[seq_id, bucket]
         return (got + 1.0) / (expected + 1.0)
 
-    def draft_seconds(self, n: int, drafting: int) -> float:
+    def draft_seconds(self, n: int, drafting: int, target_cost: CostCurve | None = None) -> float:
         """Seconds of growing ``drafting`` trees of ``n`` nodes; unmeasured sizes cost what the
-        nearest measured smaller size costs (a lower bound), 0 before any measurement."""
+        nearest measured smaller size costs (a lower bound), 0 before any measurement. Past
+        the largest measured batch the cost grows as ``target_cost`` does over as many rows
+        (as :meth:`~specdec.policy.adaptive.AdaptivePolicy.draft_per_token` explains)."""
         if n <= 0 or drafting <= 0:
             return 0.0
         bucket = int(math.log2(n))
         below = [b for b in self.draft_costs if b <= bucket]
-        return self.draft_costs[max(below)].estimate(drafting) if below else 0.0
+        if not below:
+            return 0.0
+        curve = self.draft_costs[max(below)]
+        seconds, top = curve.estimate(drafting), curve.largest
+        if target_cost is None or top is None or drafting <= top:
+            return seconds
+        t_top, t_now = target_cost.estimate(top), target_cost.estimate(drafting)
+        return seconds * t_now / t_top if t_top > 0 and t_now > t_top else seconds
 
     def draft_measured(self, n: int) -> bool:
         """Whether growing trees of ``n`` nodes has been timed (``n``'s own bucket)."""
@@ -113,7 +122,7 @@ class TreeSizer:
 
     def step_seconds(self, target_cost: CostCurve, rows: int, n: int, drafting: int) -> float:
         """Estimated seconds of a step: ``rows`` target rows, ``drafting`` trees of ``n`` nodes."""
-        return target_cost.estimate(rows, optimistic=True) + self.draft_seconds(n, drafting)
+        return target_cost.estimate(rows, optimistic=True) + self.draft_seconds(n, drafting, target_cost)
 
     # ------------------------------------------------------------------ choosing
     def choose(
