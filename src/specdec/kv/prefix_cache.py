@@ -18,10 +18,11 @@ also keys, when a request ends, the pages whose KV is final in the target's pool
 marked partial. A request that finds them skips the target's prefill over them and the
 proposer starts before them (it catches up there when it next drafts). Heads (MTP, EAGLE) need
 the target's features of every slot they run, which a cached page no longer has: their caches
-reuse complete pages only. ``lookahead`` is the number of tokens after a slot that a model's KV at that slot
-depends on: 0 for a target or draft model, 1 for an MTP or EAGLE head (its row ``p`` pairs the
-target's features at ``p`` with token ``p + 1``), so a page is only reused where those tokens
-match too. The salt keeps requests of different salts (users, API keys) on separate chains: a
+reuse complete pages only.
+
+``lookahead`` is the number of tokens after a slot that a model's KV at that slot depends on:
+0 for a target or draft model, 1 for an MTP or EAGLE head (its row ``p`` pairs the target's
+features at ``p`` with token ``p + 1``), so a page is only reused where those tokens match too. The salt keeps requests of different salts (users, API keys) on separate chains: a
 shared page's prefill time would otherwise be visible to another user.
 
 Keys live on the :class:`~specdec.kv.allocator.PageAllocator` (a keyed page no table holds is
@@ -142,7 +143,9 @@ class PrefixCache:
         """
         done, key = self._progress.get(seq_id) or (0, root_key(salt))
         ps = self.page_size
-        last = num_valid_slots if num_target_slots is None or not self.partial else max(num_valid_slots, num_target_slots)
+        last = num_valid_slots
+        if num_target_slots is not None and self.partial:
+            last = max(num_valid_slots, num_target_slots)
         newly: list[int] = []
         i = done
         while i < len(table) and (i + 1) * ps <= last and self._keyable(i, len(token_ids)):

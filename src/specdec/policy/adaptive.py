@@ -224,15 +224,7 @@ class AdaptivePolicy:
         started all four requests drafting, four catch-ups at once, where drafting did not pay
         (0.90x plain). Where the target's pass is flat in its rows (a GPU) this is flat too.
         """
-        curve = self.draft_cost
-        top = curve.largest
-        if top is None:
-            return 0.0
-        per_token = curve.estimate(drafting)
-        if drafting <= top:
-            return per_token
-        t_top, t_now = self.target_cost.estimate(top), self.target_cost.estimate(drafting)
-        return per_token * t_now / t_top if t_top > 0 and t_now > t_top else per_token
+        return self.draft_cost.estimate_like(drafting, self.target_cost)
 
     def catchup_seconds(self, unseen: int) -> float:
         """Estimated extra drafting time for ``unseen`` tokens the proposer has not seen.

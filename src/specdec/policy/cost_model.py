@@ -106,6 +106,16 @@ class CostCurve:
         """The largest measured size (an average within its bucket); ``None`` before any."""
         return self._xs[-1] if self._xs else None
 
+    def estimate_like(self, size: float, like: CostCurve) -> float:
+        """:meth:`estimate` at ``size``; past the largest measured size, grown from there as
+        ``like`` grows (its estimates' ratio, never below 1) instead of extrapolated: a draft
+        model's cost by batch grows as the target's pass does over as many rows."""
+        seconds, top = self.estimate(size), self.largest
+        if top is None or size <= top:
+            return seconds
+        base, now = like.estimate(top), like.estimate(size)
+        return seconds * now / base if base > 0 and now > base else seconds
+
     def measured_up_to(self, size: float) -> bool:
         """Whether some measurement is of ``size`` or less (below the smallest, estimates are
         extrapolated: see :meth:`estimate`)."""

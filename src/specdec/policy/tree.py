@@ -110,11 +110,7 @@ class TreeSizer:
         if not below:
             return 0.0
         curve = self.draft_costs[max(below)]
-        seconds, top = curve.estimate(drafting), curve.largest
-        if target_cost is None or top is None or drafting <= top:
-            return seconds
-        t_top, t_now = target_cost.estimate(top), target_cost.estimate(drafting)
-        return seconds * t_now / t_top if t_top > 0 and t_now > t_top else seconds
+        return curve.estimate(drafting) if target_cost is None else curve.estimate_like(drafting, target_cost)
 
     def draft_measured(self, n: int) -> bool:
         """Whether growing trees of ``n`` nodes has been timed (``n``'s own bucket)."""
