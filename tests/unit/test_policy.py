@@ -731,6 +731,27 @@ def test_an_unmeasured_drafting_batch_is_priced_as_the_target_scales():
     assert flat.draft_per_token(4) == pytest.approx(0.005)
 
 
+def test_several_costly_catch_ups_start_one_request_per_step():
+    """Drafting pays here, but starting four requests at once would sink four catch-ups (each
+    more than a plain step) before anything says it pays at this batch: the request with the
+    least to catch up on starts alone. Cheap catch-ups (a few tokens) start together."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    for rows, seconds in ((1, 0.10), (4, 0.11), (8, 0.12), (16, 0.14), (64, 0.50)):
+        policy.observe_target(rows, seconds)
+    for batch in (1, 4):
+        policy.observe_propose(batch, 1, 0.01, unseen=0)
+    policy.catchup_cost.observe(40, 0.3)  # 40 tokens: 0.3 s, about three plain steps
+    for _ in range(20):
+        policy.observe_verify(9, 4, 4)  # the generator's drafts are good
+    ctx = SpeculationContext(seq_ids=(0, 1, 2, 3), params=(GREEDY,) * 4, caps=(400,) * 4,
+                             unseen=(41, 40, 45, 50), max_k=MAX_K)  # fmt: skip
+    ks = policy.choose(ctx)
+    assert ks[1] > 0 and ks[0] == ks[2] == ks[3] == 0, ks
+    cheap = SpeculationContext(seq_ids=(4, 5, 6, 7), params=(GREEDY,) * 4, caps=(400,) * 4,
+                               unseen=(3, 3, 3, 3), max_k=MAX_K)  # fmt: skip
+    assert all(policy.choose(cheap))
+
+
 def test_tree_sizes_are_powers_of_two_and_the_whole_tree():
     assert TreeSizer.sizes(16) == [1, 2, 4, 8, 16]
     assert TreeSizer.sizes(20) == [1, 2, 4, 8, 16, 20]

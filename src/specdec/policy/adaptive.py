@@ -275,11 +275,29 @@ class AdaptivePolicy:
             ]
             switch = [self._catchup_per_token(ctx, r) for r in range(len(caps))]
             ks = self._plan(surv, caps, switch)
+            self._stagger_starts(ctx, ks)
             self._add_probes(ctx, surv, caps, ks, switch)
         for seq_id, k in zip(ctx.seq_ids, ks):
             counts = self._requests[seq_id]
             counts.zero_run = counts.zero_run + 1 if k == 0 else 0
         return tuple(ks)
+
+    def _stagger_starts(self, ctx: SpeculationContext, ks: list[int]) -> None:
+        """Start at most one request per step when starting several would sink more than a
+        plain step into catch-ups: a catch-up is paid at once and repaid only if drafting goes
+        on, which the next steps' measurements may deny (a cold batch-4 step on a 1-thread
+        CPU paid four catch-ups, 1.0 s, on an acceptance carried over from batch 1, and
+        stopped drafting four steps later). The one with the least to catch up on starts."""
+        starting = [r for r, k in enumerate(ks) if k > 0 and ctx.unseen[r] > 2]
+        if len(starting) < 2:
+            return
+        sunk = sum(self.catchup_seconds(ctx.unseen[r]) for r in starting)
+        if sunk <= self.target_cost.estimate(len(ks)):
+            return
+        first = min(starting, key=lambda r: ctx.unseen[r])
+        for r in starting:
+            if r != first:
+                ks[r] = 0
 
     def _catchup_per_token(self, ctx: SpeculationContext, r: int) -> float:
         """Seconds per emitted token that drafting for request ``r`` costs on top of its drafts:
