@@ -116,7 +116,11 @@ class AdaptivePolicy:
     optimistically (:meth:`CostCurve.estimate` with ``optimistic=True``), so a fresh policy
     tries speculating as soon as a plain decode step (not a prefill) has been measured, and each row-count bucket is
     tried at most once before real costs decide. The proposer's cost is unknown until it first
-    drafts; at batch size > 1 that first drafting step drafts for one request only.
+    drafts; at batch size > 1 that first drafting step drafts for one request only. At a
+    batch it has not drafted for, the proposer's cost grows as the target's pass does over as
+    many rows (:meth:`draft_per_token`). Starts are staggered: when several requests would
+    start drafting in one step and their catch-ups together cost more than a plain step, only
+    the one with the least to catch up on starts (:meth:`_stagger_starts`).
 
     Probing: a request at k = 0 is never measured again, so once it has spent enough steps at
     k = 0 that one probe step (k = 1, including what the proposer must catch up on) costs at
