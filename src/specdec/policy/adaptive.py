@@ -292,6 +292,8 @@ class AdaptivePolicy:
         on, which the next steps' measurements may deny (a cold batch-4 step on a 1-thread
         CPU paid four catch-ups, 1.0 s, on an acceptance carried over from batch 1, and
         stopped drafting four steps later). The one with the least to catch up on starts."""
+        # A request that drafted last step has 1 or 2 unseen tokens (the newest, and the last
+        # draft after a full acceptance), which every drafting step runs anyway: no catch-up.
         starting = [r for r, k in enumerate(ks) if k > 0 and ctx.unseen[r] > 2]
         if len(starting) < 2:
             return

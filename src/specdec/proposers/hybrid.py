@@ -22,7 +22,8 @@ time from what it measures live:
 
 A request drafts from the suffix tree when ``1 + suffix_expected >= (1 + model_expected) /
 (1 + draft_cost + catch_up)``. (Unpriced, one catch-up of a 600-token chat on a 2-core AMD
-machine cost more than the suffix trees saved on the whole request.) How many tokens stay the policy's choice (k per request), and the suffix
+machine cost more than the suffix trees saved on the whole request.) How many tokens stay the
+policy's choice (k per request), and the suffix
 tree shrinks with its match as always.
 
 Lossless with any rule: each request's drafts are verified by the tree rules, a chain as a
