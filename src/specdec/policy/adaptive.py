@@ -120,7 +120,8 @@ class AdaptivePolicy:
     batch it has not drafted for, the proposer's cost grows as the target's pass does over as
     many rows (:meth:`draft_per_token`). Starts are staggered: when several requests would
     start drafting in one step and their catch-ups together cost more than a plain step, only
-    the one with the least to catch up on starts (:meth:`_stagger_starts`).
+    the one with the least to catch up on may start, and only if the plan without the others
+    still beats a plain step (:meth:`_stagger_starts`).
 
     Probing: a request at k = 0 is never measured again, so once it has spent enough steps at
     k = 0 that one probe step (k = 1, including what the proposer must catch up on) costs at
@@ -279,31 +280,37 @@ class AdaptivePolicy:
             ]
             switch = [self._catchup_per_token(ctx, r) for r in range(len(caps))]
             ks = self._plan(surv, caps, switch)
-            self._stagger_starts(ctx, ks)
+            held = self._stagger_starts(ctx, ks)
+            if held:
+                # Planned again without them: what is left must pay on its own (one request
+                # drafting alone pays the draft's whole forward, which several share).
+                caps = [0 if r in held else c for r, c in enumerate(caps)]
+                ks = self._plan(surv, caps, switch)
             self._add_probes(ctx, surv, caps, ks, switch)
         for seq_id, k in zip(ctx.seq_ids, ks):
             counts = self._requests[seq_id]
             counts.zero_run = counts.zero_run + 1 if k == 0 else 0
         return tuple(ks)
 
-    def _stagger_starts(self, ctx: SpeculationContext, ks: list[int]) -> None:
-        """Start at most one request per step when starting several would sink more than a
-        plain step into catch-ups: a catch-up is paid at once and repaid only if drafting goes
-        on, which the next steps' measurements may deny (a cold batch-4 step on a 1-thread
-        CPU paid four catch-ups, 1.0 s, on an acceptance carried over from batch 1, and
-        stopped drafting four steps later). The one with the least to catch up on starts."""
+    def _stagger_starts(self, ctx: SpeculationContext, ks: Sequence[int]) -> set[int]:
+        """The requests the plan ``ks`` starts that must wait: when starting several would sink
+        more than a plain step into catch-ups, all but the one with the least to catch up on.
+        A catch-up is paid at once and repaid only if drafting goes on, which the next steps'
+        measurements may deny (a cold batch-4 step on a 1-thread CPU paid four catch-ups,
+        1.0 s, on an acceptance carried over from batch 1, and stopped drafting four steps
+        later). The caller plans again without them, and that plan must beat a plain step on
+        its own: kept as the first plan had it, one request starting alone at batch 4 was
+        priced (by the policy itself) at 15 tokens/s against plain's 19 and taken anyway."""
         # A request that drafted last step has 1 or 2 unseen tokens (the newest, and the last
         # draft after a full acceptance), which every drafting step runs anyway: no catch-up.
         starting = [r for r, k in enumerate(ks) if k > 0 and ctx.unseen[r] > 2]
         if len(starting) < 2:
-            return
+            return set()
         sunk = sum(self.catchup_seconds(ctx.unseen[r]) for r in starting)
         if sunk <= self.target_cost.estimate(len(ks)):
-            return
+            return set()
         first = min(starting, key=lambda r: ctx.unseen[r])
-        for r in starting:
-            if r != first:
-                ks[r] = 0
+        return {r for r in starting if r != first}
 
     def _catchup_per_token(self, ctx: SpeculationContext, r: int) -> float:
         """Seconds per emitted token that drafting for request ``r`` costs on top of its drafts:
