@@ -139,6 +139,24 @@ def test_cost_rule():
     assert 2 not in rule._requests
 
 
+def test_cost_rule_prices_a_chain_from_its_per_position_acceptance():
+    """A 4-chain accepted with 0.8 per position accepts 0, 1, 2, 3 or 4 drafts; the rule must
+    recover 0.8 (accepted / (accepted + rejections)), not accepted / drafted (0.58 here, which
+    prices the model's step at 1 + 1.2 tokens instead of 1 + 2.3 and hands steps to weaker
+    suffix trees)."""
+    rule = CostRule()
+    pattern = (4, 4, 0, 1, 2, 4, 3, 4, 0, 1, 4, 4, 2)  # 33 accepted, 7 rejections in 13 steps
+    tree = DraftTree([5], [-1], score=0.5, match_len=1)
+    seen = []
+    for accepted in pattern * 4:
+        rule.observe(1, used_suffix=False, predicted=0.0, drafted=4, accepted=accepted)
+        seen.append(rule.value(1, tree, 4)[1] - 1.0)  # the model's expected accepted drafts
+    late = seen[len(pattern):]
+    assert 1.7 < min(late) and sum(late) / len(late) == pytest.approx(chain_expectation(33 / 40, 4), abs=0.35)
+    # The generator-wide value (a new request's) tracks the same rate, more slowly.
+    assert rule.value(2, tree, 4)[1] - 1.0 == pytest.approx(chain_expectation(33 / 40, 4), abs=0.35)
+
+
 def test_cost_rule_prices_the_models_catch_up_apart_from_drafting():
     """A model step after suffix-drafted ones first runs what the model never saw (on a 2-core
     AMD machine one 600-token catch-up cost more than the suffix trees saved on the whole

@@ -9,9 +9,9 @@ time from what it measures live:
 
 - the suffix tree's expected accepted tokens (its score: path probabilities from the index's
   counts), times a per-request calibration (accepted / predicted on the request's suffix steps);
-- the model's expected accepted tokens from the request's acceptance rate on its model steps
-  (a chain of k at acceptance a: a + a^2 + ... + a^k; the generator-wide rate before the
-  request has any);
+- the model's expected accepted tokens from the request's per-position acceptance on its
+  model steps (accepted / (accepted + rejections), moving averages of both; a chain of k at
+  acceptance a: a + a^2 + ... + a^k; the generator-wide rate before the request has any);
 - the model's drafting time relative to the target pass (both timed here: ``propose`` of the
   model, and from the end of drafting to ``on_target_step``), measured on calls that caught up
   on nothing;
@@ -89,9 +89,30 @@ def chain_expectation(acceptance: float, k: int) -> float:
 
 
 @attrs.define
+class _Acceptance:
+    """Moving averages of a model's accepted drafts and rejections per step: the per-position
+    acceptance under the truncated-geometric model is their ratio ``accepted / (accepted +
+    rejections)`` (:func:`~specdec.policy.acceptance.acceptance_estimate`). Accepted / drafted
+    is not it: a 4-chain at 0.8 per position accepts 2.36 of 4 on average, and 0.59 fed back
+    into :func:`chain_expectation` priced the model's steps at 1.26 accepted instead of 2.36."""
+
+    accepted: float
+    rejections: float
+
+    def update(self, weight: float, drafted: int, accepted: int) -> None:
+        rejected = 1.0 if accepted < drafted else 0.0
+        self.accepted += weight * (accepted - self.accepted)
+        self.rejections += weight * (rejected - self.rejections)
+
+    def rate(self) -> float:
+        total = self.accepted + self.rejections
+        return self.accepted / total if total > 0 else 1.0
+
+
+@attrs.define
 class _RequestStats:
     suffix_ratio: float = 1.0  # accepted / predicted on suffix steps (EMA)
-    model_acceptance: float | None = None  # accepted / drafted on model steps (EMA)
+    model: _Acceptance | None = None  # on the request's model steps
 
 
 @attrs.define
@@ -104,7 +125,7 @@ class CostRule:
     prior_acceptance: float = 0.6  # the model's acceptance before anything is measured
     draft_cost: float = 0.0  # model drafting time / target pass time (EMA, measured)
     catchup_cost: float | None = None  # per caught-up token / target pass time (EMA, measured)
-    model_acceptance: float | None = None  # generator-wide (EMA)
+    model_acceptance: _Acceptance | None = None  # generator-wide
     _requests: dict[int, _RequestStats] = attrs.field(factory=dict)
 
     def _stats(self, seq_id: int) -> _RequestStats:
@@ -115,9 +136,8 @@ class CostRule:
     ) -> tuple[float, float]:
         stats = self._stats(seq_id)
         suffix = 1.0 + stats.suffix_ratio * tree.score
-        rate = stats.model_acceptance
-        if rate is None:
-            rate = self.prior_acceptance if self.model_acceptance is None else self.model_acceptance
+        measured = stats.model if stats.model is not None else self.model_acceptance
+        rate = self.prior_acceptance if measured is None else measured.rate()
         emitted = 1.0 + chain_expectation(rate, k)
         model = emitted / (1.0 + self.draft_cost + self.catchup_share(lag, remaining, emitted))
         return suffix, model
@@ -146,11 +166,14 @@ class CostRule:
             if predicted > 0:
                 stats.suffix_ratio += d * (min(accepted / predicted, 4.0) - stats.suffix_ratio)
         elif drafted:
-            rate = accepted / drafted
-            stats.model_acceptance = rate if stats.model_acceptance is None else (
-                stats.model_acceptance + d * (rate - stats.model_acceptance))  # fmt: skip
-            self.model_acceptance = rate if self.model_acceptance is None else (
-                self.model_acceptance + 0.1 * (rate - self.model_acceptance))  # fmt: skip
+            if stats.model is None:
+                stats.model = _Acceptance(float(accepted), float(accepted < drafted))
+            else:
+                stats.model.update(d, drafted, accepted)
+            if self.model_acceptance is None:
+                self.model_acceptance = _Acceptance(float(accepted), float(accepted < drafted))
+            else:
+                self.model_acceptance.update(0.1, drafted, accepted)
 
     def observe_times(self, draft_s: float | None, target_s: float, unseen: int = 0) -> None:
         if draft_s is None or target_s <= 0:
