@@ -24,6 +24,7 @@ import torch
 from specdec.graphs import PassGraphs
 from specdec.interfaces import (
     AttentionBackend,
+    ForecastsDrafts,
     KindRules,
     ProposeContext,
     Proposer,
@@ -252,14 +253,19 @@ class Engine:
         caps = self._kind_rules(self.proposer.kind).caps(
             tuple(max(0, n - 1) for n in remaining), lookahead
         )
+        seq_ids = tuple(r.seq_id for r in reqs)
+        forecast = None
+        if lookahead > 0 and isinstance(self.proposer, ForecastsDrafts):
+            forecast = self.proposer.forecaster(seq_ids, tuple(r.token_ids for r in reqs), remaining)
         ctx = SpeculationContext(
-            seq_ids=tuple(r.seq_id for r in reqs),
+            seq_ids=seq_ids,
             params=tuple(r.params for r in reqs),
             caps=caps,
             unseen=self._unseen(reqs),
             max_k=lookahead,
             kind=self.proposer.kind,
             remaining=remaining,
+            forecast=forecast,
         )
         ks = _check_ks(self.policy.choose(ctx), caps, lookahead)
         for req, k in zip(reqs, ks):

@@ -7,7 +7,7 @@ live in :mod:`specdec.types`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
@@ -33,6 +33,8 @@ __all__ = [
     "AttentionBackend",
     "AttentionSpec",
     "CapturesGraphs",
+    "DraftForecast",
+    "ForecastsDrafts",
     "KindRules",
     "Proposer",
     "ProposeContext",
@@ -295,6 +297,43 @@ class ReportsLag(Protocol):
         ...
 
 
+@attrs.frozen
+class DraftForecast:
+    """What a proposer expects to draft for one request when a step allows ``n`` tree nodes.
+
+    ``nodes``: the nodes it would draft (the request's verify rows, less its own token);
+    ``accepted``: the drafts it expects the target to accept, calibrated on the request's own
+    steps; ``model``: whether a model's forward drafts them (drafting time, and a catch-up on
+    ``catchup`` tokens the model has not run first), else they cost next to nothing (a suffix
+    tree's lookup).
+    """
+
+    nodes: int
+    accepted: float
+    model: bool
+    catchup: int = 0
+
+
+@runtime_checkable
+class ForecastsDrafts(Protocol):
+    """A proposer capability: per request, what it would draft at each tree size.
+
+    :class:`~specdec.proposers.SuffixHybrid` draws from a suffix tree or a model per request:
+    what a size buys differs by request and step (a retried request's suffix tree accepts 16
+    tokens where a fresh prompt's accepts none, and the model drafts at most its own k
+    however many nodes are allowed). A policy that knows only the generator's accepted length
+    per size cannot tell them apart and prices nodes nobody drafts as verify rows.
+    """
+
+    def forecaster(
+        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]], remaining: Sequence[int]
+    ) -> Callable[[int], tuple[DraftForecast, ...]] | None:
+        """For this step's requests, a function from a node count ``n >= 1`` to one forecast
+        per request (``None``: no forecast this step). Valid until the next ``propose``, which
+        drafts what it forecast for the ``n`` chosen."""
+        ...
+
+
 @runtime_checkable
 class SharesCachedPrefix(Protocol):
     """A proposer capability, needed for prefix caching by proposers with a KV pool (draft
@@ -476,7 +515,9 @@ class SpeculationContext:
     steps where it drafted nothing): a stateful proposer (a draft model) must catch up on them.
     ``remaining[i]`` is the most tokens request ``i`` may still emit (for a chain ``caps[i] + 1``;
     a tree's caps count nodes, so only this field tells how long the request has left); empty
-    where the caller does not know (a policy then assumes ``caps[i] + 1``).
+    where the caller does not know (a policy then assumes ``caps[i] + 1``). ``forecast``: for a
+    :class:`ForecastsDrafts` tree proposer, what each request would draft at ``n`` nodes
+    (``None`` otherwise).
     """
 
     seq_ids: tuple[int, ...]
@@ -486,6 +527,7 @@ class SpeculationContext:
     max_k: int  # this step's widest allowed draft (the proposer's k, or 0 when pages are short)
     kind: ProposalKind = ProposalKind.CHAIN  # TREE: k counts tree nodes, not chain positions
     remaining: tuple[int, ...] = ()
+    forecast: Callable[[int], tuple[DraftForecast, ...]] | None = None
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from helpers import coin_rule, perturbed
 
-from specdec import CacheConfig, FixedPolicy, Generator, SamplingParams
+from specdec import AdaptivePolicy, CacheConfig, FixedPolicy, Generator, SamplingParams
 from specdec.codec import load_tokenizer
 from specdec.models.loading import load_model
 from specdec.proposers import DraftModel, SuffixDecoding, SuffixHybrid
@@ -55,6 +55,48 @@ def test_outputs_equal_plain_decoding(stories, params, rule):
     assert hybrid.num_suffix_steps > 0 and hybrid.num_model_steps > 0, (hybrid.num_suffix_steps,
                                                                          hybrid.num_model_steps)  # fmt: skip
     assert hybrid.suffix._requests == {} and hybrid.rule._requests == {} and hybrid._steps == {}
+
+
+@pytest.mark.parametrize("rule", ["cost", "random"])
+def test_the_controller_drafts_what_the_forecast_said(stories, rule):
+    """Under the adaptive policy the engine hands the policy the hybrid's forecasts; each
+    step then drafts, per request, from the side forecast for the size chosen, the suffix
+    tree's nodes exactly and the model's at most; outputs stay plain decoding's, at batch 4,
+    over rounds that repeat earlier requests."""
+    target, draft, tok = stories
+    plain = Generator.from_components(target, tok)
+    hybrid = SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=4),
+                          SuffixDecoding(num_speculative_tokens=8),
+                          rule=coin_rule(1) if rule == "random" else None)  # fmt: skip
+    policy = AdaptivePolicy()
+    gen = Generator.from_components(target, tok, proposer=hybrid, policy=policy)
+    told: dict[int, tuple[int, bool]] = {}
+    checked = []
+    choose, propose = policy.choose, hybrid.propose
+
+    def choose_and_remember(ctx):
+        ks = choose(ctx)
+        assert ctx.forecast is not None
+        if any(ks):
+            for s, f in zip(ctx.seq_ids, ctx.forecast(max(ks))):
+                told[s] = (f.nodes, f.model)
+        return ks
+
+    def propose_and_compare(ctx):
+        out = propose(ctx)
+        for s, drafted in zip(ctx.seq_ids, out.num_draft_tokens):
+            used_suffix, _, _ = hybrid._steps[s]
+            nodes, model = told.pop(s)
+            assert used_suffix != model
+            assert drafted == nodes if used_suffix else drafted <= nodes
+            checked.append(used_suffix)
+        return out
+
+    policy.choose, hybrid.propose = choose_and_remember, propose_and_compare
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    for _ in range(3):
+        assert [o.token_ids for o in gen.generate(PROMPTS, GREEDY)] == expected
+    assert any(checked) and not all(checked), checked  # both sides drafted
 
 
 def test_repeats_go_to_the_suffix_trees_and_fresh_text_to_the_model(stories):
@@ -155,6 +197,21 @@ def test_cost_rule_prices_a_chain_from_its_per_position_acceptance():
     assert 1.7 < min(late) and sum(late) / len(late) == pytest.approx(chain_expectation(33 / 40, 4), abs=0.35)
     # The generator-wide value (a new request's) tracks the same rate, more slowly.
     assert rule.value(2, tree, 4)[1] - 1.0 == pytest.approx(chain_expectation(33 / 40, 4), abs=0.35)
+
+
+def test_one_failed_model_step_does_not_price_the_model_out_for_the_request():
+    """A request's model acceptance starts from the generator's: started from its own first
+    step, one step that accepted nothing priced the model at 0 for that request, which then
+    drafted from weak suffix trees or not at all for the rest (1.04x plain on one HumanEval
+    prompt where the draft model alone made 2x)."""
+    rule = CostRule()
+    for _ in range(20):
+        rule.observe(1, used_suffix=False, predicted=0.0, drafted=4, accepted=3)
+    tree = DraftTree([5], [-1], score=0.2, match_len=1)
+    generator = rule.expected(2, tree, 4)[1]
+    rule.observe(2, used_suffix=False, predicted=0.0, drafted=4, accepted=0)
+    assert 0.5 * generator < rule.expected(2, tree, 4)[1] < generator
+    assert not rule.prefer_suffix(2, tree, 4)
 
 
 def test_cost_rule_prices_the_models_catch_up_apart_from_drafting():

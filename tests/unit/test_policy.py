@@ -7,10 +7,11 @@ import itertools
 import math
 import random
 
+import attrs
 import pytest
 
 from specdec import SamplingParams
-from specdec.interfaces import SpeculationContext, SpeculationPolicy
+from specdec.interfaces import DraftForecast, SpeculationContext, SpeculationPolicy
 from specdec.policy import (
     AdaptivePolicy,
     AdaptivePolicyConfig,
@@ -776,6 +777,72 @@ def test_a_held_back_start_leaves_a_plan_that_must_beat_plain_on_its_own():
     assert policy._plan_rate(surv, switch, [1] * 4) > plain  # together: worth it on paper
     assert policy._plan_rate(surv, switch, [1, 0, 0, 0]) < plain  # alone: not
     assert policy.choose(ctx) == (0, 0, 0, 0)
+
+
+def forecast_context(forecast, batch: int = 1, max_k: int = 16) -> SpeculationContext:
+    return attrs.evolve(tree_context(batch, max_k=max_k, remaining=100), forecast=forecast)
+
+
+def forecast_policy() -> AdaptivePolicy:
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    for rows, seconds in ((1, 0.100), (2, 0.101), (3, 0.102), (5, 0.105), (9, 0.130), (17, 0.200)):
+        policy.observe_target(rows, seconds)
+    return policy
+
+
+def test_forecasts_price_the_nodes_a_request_drafts_not_the_nodes_allowed():
+    """A 4-chain model drafts 4 nodes however many a step allows: priced by the forecast, 16
+    allowed nodes cost 5 verify rows, not 17 (without forecasts the sizer priced 17 and chose
+    small trees where the hybrid's suffix trees could have drafted 16). The model's drafting
+    time is keyed by its own nodes and the requests it drafts for."""
+    policy = forecast_policy()
+    accepted = [0.0, 0.8, 1.5, 2.1, 2.6]
+
+    def model(n):
+        return (DraftForecast(min(n, 4), accepted[min(n, 4)], model=True),)
+
+    policy.trees.observe_propose(1, 4, 0.03)  # the model's 4-chain for one request
+    ks = policy.choose(forecast_context(model))
+    assert ks[0] >= 4 and policy.trees.planned == (4, 1, 0), ks
+    policy.observe_propose(1, ks[0], 0.05, unseen=0)  # timed as the model's 4 nodes, 1 request
+    assert policy.trees.draft_seconds(4, 1) == pytest.approx(0.05)
+    assert policy.trees.draft_seconds(16, 1) == pytest.approx(0.05)  # no 16-node bucket was timed
+    assert set(policy.trees.draft_costs) == {2}
+    # Without the forecast the same accepted lengths at 16 nodes price 17 rows: smaller wins.
+    plain = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    for rows, seconds in ((1, 0.100), (2, 0.101), (3, 0.102), (5, 0.105), (9, 0.130), (17, 0.200)):
+        plain.observe_target(rows, seconds)
+    plain.choose(tree_context(1))  # a tree context: observations go to the tree model
+    plain.observe_propose(1, 4, 0.03, unseen=0)
+    for n in (1, 2, 4, 8, 16):
+        for _ in range(10):
+            plain.observe_verify(0, n, accepted[min(n, 4)])
+    assert plain.choose(tree_context(1)) == (4,)
+
+
+def test_forecast_suffix_lookups_are_timed_apart_from_the_model():
+    """A step where only suffix trees draft (no model forward) times the lookups, by batch;
+    the model's drafting cost is untouched by it."""
+    policy = forecast_policy()
+
+    def suffix(n):
+        return (DraftForecast(n, 0.9 * n, model=False),) * 2
+
+    assert policy.choose(forecast_context(suffix, batch=2)) == (16, 16)
+    assert policy.trees.planned == (0, 0, 0)
+    policy.observe_propose(2, 16, 0.002, unseen=0)
+    assert policy.trees.lookup_cost is not None and policy.trees.lookup_cost.estimate(2) == pytest.approx(0.002)
+    assert policy.trees.draft_costs == {}
+
+
+def test_weak_forecasts_keep_the_step_plain():
+    policy = forecast_policy()
+
+    def weak(n):
+        return (DraftForecast(n, 0.01 * n, model=False),)
+
+    assert policy.choose(forecast_context(weak)) == (0,)
+    assert policy.trees.planned is None
 
 
 def test_tree_sizes_are_powers_of_two_and_the_whole_tree():

@@ -131,7 +131,9 @@ class AdaptivePolicy:
     Trees: for a tree proposer (``ctx.kind`` TREE) k counts tree nodes and the choice is one
     tree size for the step, from the measured accepted length per size and drafting cost per
     step (:class:`~specdec.policy.tree.TreeSizer`), plus each open request's catch-up spread
-    over the steps it has left, as above. Catch-up is priced and measured apart from drafting:
+    over the steps it has left, as above; a proposer that forecasts per request what each
+    size drafts (:class:`~specdec.interfaces.ForecastsDrafts`) is sized by its forecasts
+    instead. Catch-up is priced and measured apart from drafting:
     a ``propose`` call with unseen tokens feeds the catch-up curve, never a tree's drafting cost
     (one prompt's catch-up taken for drafting once made trees look several plain steps dear and
     switched them off). The first tree context switches the policy's observations of drafting
@@ -511,6 +513,9 @@ class AdaptivePolicy:
         self.catchup_cost.observe(unseen, max(0.0, seconds - width * per_token))
 
     def _observe_tree_propose(self, batch: int, n: int, seconds: float, unseen: int) -> None:
+        if self.trees.forecasting:
+            self._observe_forecast_propose(batch, seconds, unseen)
+            return
         if unseen <= 0:
             self.trees.observe_propose(batch, n, seconds)
         elif self.trees.draft_measured(n):
@@ -520,6 +525,21 @@ class AdaptivePolicy:
         # cost, the catch-up would price the size too dear to be tried again before a probe
         # (the chain path's guess, a ratio of the target's cost, has no tree counterpart). The
         # next step of a request that drafted has nothing unseen and times drafting alone.
+
+    def _observe_forecast_propose(self, batch: int, seconds: float, unseen: int) -> None:
+        """A ``propose`` call of the sizer's forecast plan: the model's drafting, or the
+        lookups alone, timed; a call that caught up times the catch-up instead (split off
+        the model's measured drafting time, as above)."""
+        plan = self.trees.planned
+        if plan is None:
+            return  # a probe: no plan says who drafted
+        if unseen <= 0:
+            self.trees.observe_forecast_propose(batch, seconds, seconds)
+            return
+        nodes, rows, _ = plan
+        if rows > 0 and self.trees.draft_measured(nodes):
+            drafting = self.trees.draft_seconds(nodes, rows, self.target_cost)
+            self.catchup_cost.observe(unseen, max(0.0, seconds - drafting))
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:

@@ -18,7 +18,19 @@ by the policy's :class:`~specdec.policy.cost_model.CostCurve` and the drafting b
 per size bucket (a tree of ``n`` nodes is grown only ``min(depth, n)`` deep). Cold start: an
 unmeasured size is priced optimistically (the accepted length of the nearest measured size above
 it, or a prior; the drafting cost of the nearest measured size below), so each is tried once
-before measurements decide. Measurements of the road not taken go stale, so after
+before measurements decide.
+
+A proposer that forecasts (:class:`~specdec.interfaces.ForecastsDrafts`:
+:class:`~specdec.proposers.SuffixHybrid`) says, per request and size, how many nodes it would
+draft, how many it expects accepted and whether a model drafts them; the sizer then prices
+each size by those (verify rows of the nodes drafted, the model's drafting time by its own node
+count and the requests it drafts for, its catch-up only where it drafts, free lookups timed
+apart) and its own ``A(n)`` goes unused. A generator-wide ``A(n)`` could not tell a retried
+request's 16-node suffix tree from a fresh prompt's empty one, and priced 16 allowed nodes as
+17 verify rows where the model drafted 4: on 12 code edits and 12 HumanEval prompts (Intel
+Xeon, 2 threads) the controller took 26 target passes on a retry where 12 sufficed.
+
+Measurements of the road not taken go stale, so after
 ``probe_after`` steps with trees off the whole tree is tried once (by one request), and after
 ``probe_after`` steps with trees on one plain step re-measures the plain cost.
 
@@ -31,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from specdec.interfaces import SpeculationContext
 from specdec.policy.cost_model import CostCurve, Extrapolation
@@ -55,6 +67,10 @@ class TreeSizer:
         self._accepted: dict[int, list[float]] = {}  # bucket -> [decayed sum, decayed count]
         # (seq_id, bucket) -> [decayed accepted, decayed expected]
         self._ratio: dict[tuple[int, int], list[float]] = {}
+        # Seconds of a propose call where only lookups drafted (no model), by batch.
+        self.lookup_cost: CostCurve | None = None
+        self._planned: tuple[int, int, int] | None = None  # see ``planned``
+        self.forecasting = False  # whether the last choice came from forecasts
         self._off_run = 0  # consecutive steps with trees off
         self._on_run = 0  # consecutive steps with trees on
 
@@ -133,8 +149,12 @@ class TreeSizer:
         tokens (:meth:`~specdec.policy.adaptive.AdaptivePolicy.catchup_seconds`).
         """
         open_ = [c > 0 for c in ctx.caps]
+        self._planned = None
+        self.forecasting = ctx.forecast is not None
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
             return (0,) * len(ctx.caps)
+        if ctx.forecast is not None:
+            return self._settle(ctx, open_, self._forecast_best(ctx, open_, target_cost, catchup))
         batch = len(ctx.caps)
         drafting = sum(open_)
         # Once per request, not per size: the catch-up does not depend on the tree.
@@ -157,18 +177,87 @@ class TreeSizer:
             rate = emitted / seconds if seconds > 0 else math.inf
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        return self._settle(ctx, open_, best_n)
+
+    def _settle(self, ctx: SpeculationContext, open_: list[bool], best_n: int) -> tuple[int, ...]:
+        """The size chosen, for every open request, after the probes below."""
         # Measurements of a choice not taken go stale (the first steps of a process are slow,
         # machines drift): after probe_after steps one way, one step the other way.
         if best_n == 0:
             self._off_run, self._on_run = self._off_run + 1, 0
             if self._off_run > self.probe_after:  # look again: the workload may have changed
                 self._off_run = 0
+                self._planned = None  # not a forecast plan: its drafting time is not recorded
                 return self._probe(ctx, open_)
         else:
             self._on_run, self._off_run = self._on_run + 1, 0
             if self._on_run > self.probe_after:  # re-measure a plain step
-                best_n, self._on_run = 0, 0
+                best_n, self._on_run, self._planned = 0, 0, None
         return tuple(best_n if o else 0 for o in open_)
+
+    def _forecast_best(
+        self,
+        ctx: SpeculationContext,
+        open_: list[bool],
+        target_cost: CostCurve,
+        catchup: Callable[[int], float],
+    ) -> int:
+        """The size with the best rate from the proposer's own forecasts (:class:`~specdec.
+        interfaces.ForecastsDrafts`): each request's nodes and expected accepted drafts at each
+        size, the model's drafting time where it drafts (by the requests it drafts for and its
+        own node count), and its catch-up on the requests it drafts for, spread as above. The
+        chosen size's plan is kept: it tells :meth:`observe_forecast_propose` what the
+        ``propose`` call that follows timed."""
+        assert ctx.forecast is not None
+        batch = len(ctx.caps)
+        remaining = ctx.remaining or tuple(c + 1 for c in ctx.caps)
+        best_n, best_rate = 0, batch / self.step_seconds(target_cost, batch, 0, 0)
+        for n in reversed(self.sizes(ctx.max_k)):
+            rows, emitted, seconds, plan = self._forecast_step(ctx, n, open_, remaining, catchup)
+            seconds += target_cost.estimate(rows, optimistic=True)
+            seconds += self.forecast_draft_seconds(plan[0], plan[1], sum(open_), target_cost)
+            rate = emitted / seconds if seconds > 0 else math.inf
+            if rate > best_rate:
+                best_n, best_rate, self._planned = n, rate, plan
+        return best_n
+
+    @staticmethod
+    def _forecast_step(
+        ctx: SpeculationContext,
+        n: int,
+        open_: list[bool],
+        remaining: Sequence[int],
+        catchup: Callable[[int], float],
+    ) -> tuple[int, float, float, tuple[int, int, int]]:
+        """A step at ``n`` nodes by the forecasts: its target rows, expected emitted tokens,
+        catch-up seconds, and plan (the model's nodes, the requests it drafts for, the tokens
+        it catches up on)."""
+        assert ctx.forecast is not None
+        rows, emitted, seconds = len(open_), float(len(open_)), 0.0
+        model_nodes = model_rows = model_catchup = 0
+        for f, o, left, cap in zip(ctx.forecast(n), open_, remaining, ctx.caps):
+            if not o:
+                continue
+            nodes = min(f.nodes, n, cap)
+            accepted = max(0.0, min(f.accepted, nodes, left - 1.0))
+            rows += nodes
+            emitted += accepted
+            if f.model and nodes > 0:
+                model_nodes, model_rows = max(model_nodes, nodes), model_rows + 1
+                model_catchup += f.catchup
+                seconds += _spread(catchup(f.catchup), left, 1.0 + accepted)
+        return rows, emitted, seconds, (model_nodes, model_rows, model_catchup)
+
+    def forecast_draft_seconds(
+        self, model_nodes: int, model_rows: int, batch: int, target_cost: CostCurve | None = None
+    ) -> float:
+        """Drafting seconds of a forecast plan: the model's for ``model_rows`` requests at
+        ``model_nodes`` nodes, else the lookups alone for ``batch`` requests (0 unmeasured)."""
+        if model_rows > 0:
+            return self.draft_seconds(model_nodes, model_rows, target_cost)
+        if self.lookup_cost is None or batch <= 0:
+            return 0.0
+        return self.lookup_cost.estimate(batch)
 
     @staticmethod
     def _probe(ctx: SpeculationContext, open_: list[bool]) -> tuple[int, ...]:
@@ -179,10 +268,31 @@ class TreeSizer:
         return tuple(ctx.max_k if r == first else 0 for r in range(len(open_)))
 
     # ------------------------------------------------------------------ observing
+    @property
+    def planned(self) -> tuple[int, int, int] | None:
+        """The forecast plan of the size last chosen (``None``: chosen without forecasts):
+        the model's nodes, the requests it drafts for, the tokens it catches up on."""
+        return self._planned
+
     def observe_propose(self, batch: int, n: int, seconds: float) -> None:
         if n < 1:
             return
         self.draft_costs.setdefault(int(math.log2(n)), self._curve()).observe(batch, seconds)
+
+    def observe_forecast_propose(self, batch: int, seconds: float, drafting_seconds: float | None) -> None:
+        """The ``propose`` call of a forecast plan (:attr:`planned`) took ``seconds`` for
+        ``batch`` requests; ``drafting_seconds`` is that time less the model's catch-up
+        (``None``: the split is unknown, nothing recorded). A call where no model drafted
+        times the lookups; otherwise the model's drafting, keyed by its own node count and
+        the requests it drafted for."""
+        assert self._planned is not None
+        model_nodes, model_rows, _ = self._planned
+        if model_rows == 0:
+            if self.lookup_cost is None:
+                self.lookup_cost = self._curve()
+            self.lookup_cost.observe(batch, seconds)
+        elif drafting_seconds is not None:
+            self.observe_propose(model_rows, model_nodes, drafting_seconds)
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:

@@ -36,13 +36,13 @@ as it judges a proposal without distributions. Greedy and seeded requests never 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
 import torch
 
-from specdec.interfaces import ProposeContext, TargetStep
+from specdec.interfaces import DraftForecast, ProposeContext, TargetStep
 from specdec.kv.paged import KVSpec
 from specdec.proposers.suffix import SuffixDecoding
 from specdec.proposers.suffix_tree import DraftTree
@@ -108,6 +108,12 @@ class _Acceptance:
         total = self.accepted + self.rejections
         return self.accepted / total if total > 0 else 1.0
 
+    @classmethod
+    def at(cls, acceptance: float) -> _Acceptance:
+        """One step's worth of averages at ``acceptance`` (a prior)."""
+        a = min(max(acceptance, 0.0), 0.99)
+        return cls(a / (1.0 - a), 1.0)
+
 
 @attrs.define
 class _RequestStats:
@@ -131,16 +137,20 @@ class CostRule:
     def _stats(self, seq_id: int) -> _RequestStats:
         return self._requests.setdefault(seq_id, _RequestStats())
 
+    def expected(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
+        """Expected accepted drafts: the suffix tree's (its score, calibrated on the request's
+        suffix steps) and the model's k-chain's (at the request's per-position acceptance)."""
+        stats = self._stats(seq_id)
+        measured = stats.model if stats.model is not None else self.model_acceptance
+        rate = self.prior_acceptance if measured is None else measured.rate()
+        return stats.suffix_ratio * tree.score, chain_expectation(rate, k)
+
     def value(
         self, seq_id: int, tree: DraftTree, k: int, lag: int = 0, remaining: int | None = None
     ) -> tuple[float, float]:
-        stats = self._stats(seq_id)
-        suffix = 1.0 + stats.suffix_ratio * tree.score
-        measured = stats.model if stats.model is not None else self.model_acceptance
-        rate = self.prior_acceptance if measured is None else measured.rate()
-        emitted = 1.0 + chain_expectation(rate, k)
-        model = emitted / (1.0 + self.draft_cost + self.catchup_share(lag, remaining, emitted))
-        return suffix, model
+        suffix, model = self.expected(seq_id, tree, k)
+        emitted = 1.0 + model
+        return 1.0 + suffix, emitted / (1.0 + self.draft_cost + self.catchup_share(lag, remaining, emitted))
 
     def catchup_share(self, lag: int, remaining: int | None, per_step: float) -> float:
         """A catch-up on ``lag`` tokens in target passes, spread over the model steps (``per_step``
@@ -166,14 +176,15 @@ class CostRule:
             if predicted > 0:
                 stats.suffix_ratio += d * (min(accepted / predicted, 4.0) - stats.suffix_ratio)
         elif drafted:
-            if stats.model is None:
-                stats.model = _Acceptance(float(accepted), float(accepted < drafted))
-            else:
-                stats.model.update(d, drafted, accepted)
             if self.model_acceptance is None:
-                self.model_acceptance = _Acceptance(float(accepted), float(accepted < drafted))
-            else:
-                self.model_acceptance.update(0.1, drafted, accepted)
+                self.model_acceptance = _Acceptance.at(self.prior_acceptance)
+            if stats.model is None:
+                # From the generator's: started from its own first step, one step that
+                # accepted nothing priced the model at 0 for the request, which then never
+                # drafted from it again (weak suffix trees and plain steps for the rest).
+                stats.model = attrs.evolve(self.model_acceptance)
+            stats.model.update(d, drafted, accepted)
+            self.model_acceptance.update(0.1, drafted, accepted)
 
     def observe_times(self, draft_s: float | None, target_s: float, unseen: int = 0) -> None:
         if draft_s is None or target_s <= 0:
@@ -219,6 +230,10 @@ class SuffixHybrid:
         self._draft_s: float | None = None
         self._draft_unseen = 0  # tokens the model caught up on in its last propose call
         self._drafted_at: float | None = None
+        # (seq_id, history length) -> the suffix tree forecast for it this step (forecaster)
+        self._forecast_trees: dict[tuple[int, int], DraftTree] = {}
+        # (seq_id, history length, n) -> whether the forecast at n drafts from the suffix tree
+        self._forecast_sides: dict[tuple[int, int, int], bool] = {}
         self.num_suffix_steps = 0  # request steps drafted by each side, for metrics and tests
         self.num_model_steps = 0
 
@@ -277,17 +292,62 @@ class SuffixHybrid:
 
     # ---- drafting --------------------------------------------------------------------------
 
+    def forecaster(
+        self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]], remaining: Sequence[int]
+    ) -> Callable[[int], tuple[DraftForecast, ...]] | None:
+        """What each request would draft at ``n`` nodes: its suffix tree's best ``n`` nodes
+        or the model's ``min(n, k)``, as the rule would choose, with the rule's expected
+        accepted drafts (``None`` for a rule without ``expected``). Trees are grown once, at
+        the suffix's full size, on the first call. ``propose`` at a size forecast drafts what
+        the forecast said: the same tree prefixes, each request from the side forecast (the
+        rule is not asked again: a rule that flips coins would answer differently)."""
+        expected = getattr(self.rule, "expected", None)
+        if expected is None:
+            return None
+        self._forecast_trees, self._forecast_sides = {}, {}
+        k_suffix = self.suffix.num_speculative_tokens
+        grown: list[DraftTree] = []
+        lags: list[int] = []
+
+        def at(n: int) -> tuple[DraftForecast, ...]:
+            if not grown:
+                for s, h in zip(seq_ids, token_ids):
+                    grown.append(self.suffix.tree_for(s, h, k_suffix))
+                    self._forecast_trees[s, len(h)] = grown[-1]
+                lags.extend(self._lag(s, len(h)) for s, h in zip(seq_ids, token_ids))
+            k_model = min(n, self.model.num_speculative_tokens)
+            out = []
+            for s, h, full, lag, left in zip(seq_ids, token_ids, grown, lags, remaining):
+                tree = full.prefix(min(n, k_suffix))
+                use_suffix = self.rule.prefer_suffix(s, tree, k_model, lag, left)
+                self._forecast_sides[s, len(h), n] = use_suffix  # what propose at n will do
+                if use_suffix:
+                    out.append(DraftForecast(len(tree.tokens), expected(s, tree, k_model)[0], model=False))
+                else:
+                    out.append(DraftForecast(k_model, expected(s, tree, k_model)[1], model=True, catchup=lag))
+            return tuple(out)
+
+        return at
+
+    def _tree(self, seq_id: int, token_ids: Sequence[int], k: int) -> DraftTree:
+        """The request's suffix tree of at most ``k`` nodes: the forecast's, cut to ``k`` (so the
+        step drafts what the policy was told), else grown now."""
+        grown = self._forecast_trees.get((seq_id, len(token_ids)))
+        return grown.prefix(k) if grown is not None else self.suffix.tree_for(seq_id, token_ids, k)
+
     def propose(self, ctx: ProposeContext) -> DraftProposal:
         k = ctx.num_speculative_tokens
         k_suffix = min(k, self.suffix.num_speculative_tokens)
         k_model = min(k, self.model.num_speculative_tokens)  # each side within its own width
         n = len(ctx.seq_ids)
-        trees = [self.suffix.tree_for(s, h, k_suffix) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
+        trees = [self._tree(s, h, k_suffix) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
         lags, remaining = self._lags(ctx), _remaining(ctx)
+        forecast = [self._forecast_sides.get((s, len(h), k)) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
         use_suffix = [
-            self.rule.prefer_suffix(s, t, k_model, lag, left)
-            for s, t, lag, left in zip(ctx.seq_ids, trees, lags, remaining)
+            self.rule.prefer_suffix(s, t, k_model, lag, left) if side is None else side
+            for s, t, lag, left, side in zip(ctx.seq_ids, trees, lags, remaining, forecast)
         ]
+        self._forecast_trees, self._forecast_sides = {}, {}
         model_rows = [i for i in range(n) if not use_suffix[i]]
         model_out, self._draft_s = None, None
         self._draft_unseen = sum(lags[i] for i in model_rows)
@@ -320,10 +380,11 @@ class SuffixHybrid:
 
     def _lags(self, ctx: ProposeContext) -> list[int]:
         """Per request, the tokens the model has not run (0 for a model that keeps no state)."""
+        return [self._lag(s, len(h)) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
+
+    def _lag(self, seq_id: int, num_tokens: int) -> int:
         lag = getattr(self.model, "lag", None)
-        if lag is None:
-            return [0] * len(ctx.seq_ids)
-        return [lag(s, len(h)) for s, h in zip(ctx.seq_ids, ctx.token_ids)]
+        return 0 if lag is None else lag(seq_id, num_tokens)
 
     def _merge_model(self, out: DraftProposal | None, rows: list[int], tokens, parents, ctx, k) -> torch.Tensor | None:
         """Put the model's drafts of ``rows`` into ``tokens``/``parents`` (a chain as a

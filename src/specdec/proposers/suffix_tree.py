@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Sequence
 
 from specdec.config import check_arg, positive_int
@@ -166,15 +167,35 @@ def _size(node: SuffixNode) -> int:
 class DraftTree:
     """A speculation tree grown from one match: tokens, parents (before children; ``-1`` for
     the root's children) and its score, the expected number of accepted tokens (the sum of
-    every node's path probability) under the trie's frequencies."""
+    every node's path probability) under the trie's frequencies. ``probs``: each node's path
+    probability (``None`` where unknown: a tree built by hand)."""
 
-    __slots__ = ("tokens", "parents", "score", "match_len")
+    __slots__ = ("tokens", "parents", "score", "match_len", "probs")
 
-    def __init__(self, tokens: list[int], parents: list[int], score: float, match_len: int) -> None:
+    def __init__(
+        self,
+        tokens: list[int],
+        parents: list[int],
+        score: float,
+        match_len: int,
+        probs: list[float] | None = None,
+    ) -> None:
         self.tokens = tokens
         self.parents = parents
         self.score = score
         self.match_len = match_len
+        self.probs = probs
+
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of its first ``n`` nodes (parents come first, so a tree again) and their
+        score: best first, so the best ``n``-node subtree of this one."""
+        if n >= len(self.tokens):
+            return self
+        if self.probs is None:  # unknown per node: the score spread evenly
+            score = self.score * n / len(self.tokens) if self.tokens else 0.0
+            return DraftTree(self.tokens[:n], self.parents[:n], score, self.match_len)
+        probs = self.probs[:n]
+        return DraftTree(self.tokens[:n], self.parents[:n], math.fsum(probs), self.match_len, probs)
 
 
 def grow_tree(match: SuffixNode, budget: int, min_prob: float, tick: int, tree: bool = True) -> DraftTree:
@@ -188,6 +209,7 @@ def grow_tree(match: SuffixNode, budget: int, min_prob: float, tick: int, tree: 
     """
     tokens: list[int] = []
     parents: list[int] = []
+    probs: list[float] = []
     score = 0.0
     heap: list[tuple[float, int, int, int, SuffixNode]] = []  # (-prob, order, parent, token, node)
     order = 0
@@ -209,6 +231,7 @@ def grow_tree(match: SuffixNode, budget: int, min_prob: float, tick: int, tree: 
         node.last_used = tick
         tokens.append(token)
         parents.append(parent)
+        probs.append(-neg)
         score += -neg
         push_children(node, -neg, len(tokens) - 1)
-    return DraftTree(tokens, parents, score, match.depth)
+    return DraftTree(tokens, parents, score, match.depth, probs)
