@@ -61,8 +61,8 @@ def test_outputs_equal_plain_decoding(stories, params, rule):
 def test_the_controller_drafts_what_the_forecast_said(stories, rule):
     """Under the adaptive policy the engine hands the policy the hybrid's forecasts; each
     step then drafts, per request, from the side forecast for the size chosen, the suffix
-    tree's nodes exactly and the model's at most; outputs stay plain decoding's, at batch 4,
-    over rounds that repeat earlier requests."""
+    tree's nodes exactly and the model's at most; outputs stay plain decoding's, request by
+    request (forecasts size a lone request), over rounds that repeat earlier requests."""
     target, draft, tok = stories
     plain = Generator.from_components(target, tok)
     hybrid = SuffixHybrid(DraftModel.from_model(draft, num_speculative_tokens=4),
@@ -95,7 +95,7 @@ def test_the_controller_drafts_what_the_forecast_said(stories, rule):
     policy.choose, hybrid.propose = choose_and_remember, propose_and_compare
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     for _ in range(3):
-        assert [o.token_ids for o in gen.generate(PROMPTS, GREEDY)] == expected
+        assert [gen.generate(p, GREEDY).token_ids for p in PROMPTS] == expected
     assert any(checked) and not all(checked), checked  # both sides drafted
 
 

@@ -801,13 +801,15 @@ def test_forecasts_price_the_nodes_a_request_drafts_not_the_nodes_allowed():
     def model(n):
         return (DraftForecast(min(n, 4), accepted[min(n, 4)], model=True),)
 
-    policy.trees.observe_propose(1, 4, 0.03)  # the model's 4-chain for one request
+    policy.trees.model_node_cost.observe(1, 0.0075)  # the model's 4-chain for one request: 0.03 s
     ks = policy.choose(forecast_context(model))
     assert ks[0] >= 4 and policy.trees.planned == (4, 1, 0), ks
     policy.observe_propose(1, ks[0], 0.05, unseen=0)  # timed as the model's 4 nodes, 1 request
-    assert policy.trees.draft_seconds(4, 1) == pytest.approx(0.05)
-    assert policy.trees.draft_seconds(16, 1) == pytest.approx(0.05)  # no 16-node bucket was timed
-    assert set(policy.trees.draft_costs) == {2}
+    assert policy.trees.forecast_draft_seconds(4, 1, 1) == pytest.approx(0.05)
+    assert policy.trees.forecast_draft_seconds(2, 1, 1) == pytest.approx(0.025)  # per node
+    # Also by the size asked for: the sizer's own table at batch > 1 (left empty, a batch-4
+    # step after batch-1 forecasts priced drafting free and drafted at 0.90x plain).
+    assert policy.trees.draft_seconds(ks[0], 1) == pytest.approx(0.05)
     # Without the forecast the same accepted lengths at 16 nodes price 17 rows: smaller wins.
     plain = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
     for rows, seconds in ((1, 0.100), (2, 0.101), (3, 0.102), (5, 0.105), (9, 0.130), (17, 0.200)):
@@ -821,18 +823,60 @@ def test_forecasts_price_the_nodes_a_request_drafts_not_the_nodes_allowed():
 
 
 def test_forecast_suffix_lookups_are_timed_apart_from_the_model():
-    """A step where only suffix trees draft (no model forward) times the lookups, by batch;
-    the model's drafting cost is untouched by it."""
+    """A step where only suffix trees draft (no model forward) times the lookups; the model's
+    drafting cost is untouched by it."""
     policy = forecast_policy()
 
     def suffix(n):
+        return (DraftForecast(n, 0.9 * n, model=False),)
+
+    assert policy.choose(forecast_context(suffix)) == (16,)
+    assert policy.trees.planned == (0, 0, 0)
+    policy.observe_propose(1, 16, 0.002, unseen=0)
+    assert policy.trees.lookup_cost is not None and policy.trees.lookup_cost.estimate(1) == pytest.approx(0.002)
+    assert not policy.trees.model_node_cost.measured
+
+
+def test_tree_starts_are_staggered_and_what_is_left_must_beat_plain():
+    """Trees, batch 4, four fresh prompts: all four drafting prices above plain on paper, but
+    their catch-ups (0.21 s each) would sink four plain steps at once; one request alone does
+    not pay the draft's forward, so nobody starts (the old sizer started all four: 0.92x plain
+    on a 1-thread Xeon). With a better accepted length one request starts alone."""
+    def sized(accepted: float) -> AdaptivePolicy:
+        policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+        policy.choose(tree_context(1))  # a tree context: observations go to the tree model
+        for rows, seconds in ((1, 0.189), (4, 0.207), (5, 0.21), (8, 0.26), (16, 0.40), (20, 0.47)):
+            policy.observe_target(rows, seconds)
+        for n, one, four in ((1, 0.05, 0.06), (2, 0.06, 0.07), (4, 0.07, 0.08)):
+            policy.trees.observe_propose(1, n, one)
+            policy.trees.observe_propose(4, n, four)
+        policy.catchup_cost.observe(33, 0.21)
+        for n, length in ((1, 0.75), (2, 1.3), (4, accepted)):
+            for _ in range(30):
+                policy.observe_verify(9, n, length)
+        return policy
+
+    fresh = attrs.evolve(tree_context(4, max_k=4, remaining=48), unseen=(33, 34, 35, 36))
+    assert sized(2.0).choose(fresh) == (0, 0, 0, 0)
+    assert sized(3.0).choose(fresh) == (4, 0, 0, 0)
+    cheap = attrs.evolve(fresh, unseen=(2, 2, 2, 2))  # drafted last step: nothing to catch up
+    ks = sized(2.0).choose(cheap)
+    assert ks[0] > 0 and len(set(ks)) == 1, ks
+
+
+def test_forecasts_size_a_lone_request_only():
+    """At batch > 1 the sizer keeps its own accepted lengths per size: a closed batch ends
+    with its slowest request, and forecasts that sped one request up (a repeat) cost a
+    four-request run 9 % against plain."""
+    policy = forecast_policy()
+    asked = []
+
+    def suffix(n):
+        asked.append(n)
         return (DraftForecast(n, 0.9 * n, model=False),) * 2
 
-    assert policy.choose(forecast_context(suffix, batch=2)) == (16, 16)
-    assert policy.trees.planned == (0, 0, 0)
-    policy.observe_propose(2, 16, 0.002, unseen=0)
-    assert policy.trees.lookup_cost is not None and policy.trees.lookup_cost.estimate(2) == pytest.approx(0.002)
-    assert policy.trees.draft_costs == {}
+    policy.choose(forecast_context(suffix, batch=2))
+    assert asked == [] and policy.trees.planned is None and not policy.trees.forecasting
 
 
 def test_weak_forecasts_keep_the_step_plain():

@@ -133,7 +133,7 @@ class AdaptivePolicy:
     step (:class:`~specdec.policy.tree.TreeSizer`), plus each open request's catch-up spread
     over the steps it has left, as above; a proposer that forecasts per request what each
     size drafts (:class:`~specdec.interfaces.ForecastsDrafts`) is sized by its forecasts
-    instead. Catch-up is priced and measured apart from drafting:
+    instead when one request runs. Catch-up is priced and measured apart from drafting:
     a ``propose`` call with unseen tokens feeds the catch-up curve, never a tree's drafting cost
     (one prompt's catch-up taken for drafting once made trees look several plain steps dear and
     switched them off). The first tree context switches the policy's observations of drafting
@@ -515,6 +515,8 @@ class AdaptivePolicy:
     def _observe_tree_propose(self, batch: int, n: int, seconds: float, unseen: int) -> None:
         if self.trees.forecasting:
             self._observe_forecast_propose(batch, seconds, unseen)
+            if unseen <= 0:  # and as drafting by the size asked, for the sizer at batch > 1
+                self.trees.observe_propose(batch, n, seconds)
             return
         if unseen <= 0:
             self.trees.observe_propose(batch, n, seconds)
@@ -537,8 +539,8 @@ class AdaptivePolicy:
             self.trees.observe_forecast_propose(batch, seconds, seconds)
             return
         nodes, rows, _ = plan
-        if rows > 0 and self.trees.draft_measured(nodes):
-            drafting = self.trees.draft_seconds(nodes, rows, self.target_cost)
+        if rows > 0 and self.trees.model_node_cost.measured:
+            drafting = self.trees.forecast_draft_seconds(nodes, rows, batch, self.target_cost)
             self.catchup_cost.observe(unseen, max(0.0, seconds - drafting))
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:

@@ -21,7 +21,8 @@ it, or a prior; the drafting cost of the nearest measured size below), so each i
 before measurements decide.
 
 A proposer that forecasts (:class:`~specdec.interfaces.ForecastsDrafts`:
-:class:`~specdec.proposers.SuffixHybrid`) says, per request and size, how many nodes it would
+:class:`~specdec.proposers.SuffixHybrid`) says, for a lone request (batch 1: see
+:meth:`TreeSizer.choose`) and each size, how many nodes it would
 draft, how many it expects accepted and whether a model drafts them; the sizer then prices
 each size by those (verify rows of the nodes drafted, the model's drafting time by its own node
 count and the requests it drafts for, its catch-up only where it drafts, free lookups timed
@@ -32,7 +33,9 @@ Xeon, 2 threads) the controller took 26 target passes on a retry where 12 suffic
 
 Measurements of the road not taken go stale, so after
 ``probe_after`` steps with trees off the whole tree is tried once (by one request), and after
-``probe_after`` steps with trees on one plain step re-measures the plain cost.
+``probe_after`` steps with trees on one plain step re-measures the plain cost. Starts are
+staggered as in the chain policy: several requests whose catch-ups together cost more than a
+plain step do not start at once; the one with the least to catch up on may, if that pays.
 
 Example:
     >>> sizer = TreeSizer(decay=0.9, cost_decay=0.8)
@@ -69,6 +72,8 @@ class TreeSizer:
         self._ratio: dict[tuple[int, int], list[float]] = {}
         # Seconds of a propose call where only lookups drafted (no model), by batch.
         self.lookup_cost: CostCurve | None = None
+        # Seconds per node of a forecast plan's model drafting, by the requests it drafts for.
+        self.model_node_cost = self._curve()
         self._planned: tuple[int, int, int] | None = None  # see ``planned``
         self.forecasting = False  # whether the last choice came from forecasts
         self._off_run = 0  # consecutive steps with trees off
@@ -150,11 +155,39 @@ class TreeSizer:
         """
         open_ = [c > 0 for c in ctx.caps]
         self._planned = None
-        self.forecasting = ctx.forecast is not None
+        # Forecasts size a lone request's trees. At batch > 1 the batch shares one size, and a
+        # run of four fresh HumanEval prompts (one a repeat) on a 1-thread Xeon lost 9 % to
+        # plain on them: the repeat's 12-of-12 suffix steps cost 31-row passes, finished it
+        # early and left three requests at batch 3 as slow per step as four; the step-by-step
+        # rate cannot see that a closed batch ends with its slowest request.
+        self.forecasting = ctx.forecast is not None and len(ctx.seq_ids) == 1
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
             return (0,) * len(ctx.caps)
-        if ctx.forecast is not None:
+        if self.forecasting:
             return self._settle(ctx, open_, self._forecast_best(ctx, open_, target_cost, catchup))
+        n = self._best(ctx, open_, target_cost, catchup)
+        starting = [r for r, o in enumerate(open_) if o and ctx.unseen[r] > 2]
+        if n > 0 and len(starting) > 1:
+            sunk = sum(catchup(ctx.unseen[r]) for r in starting)
+            if sunk > target_cost.estimate(len(open_)):
+                # Staggered starts, as in the chain policy: only the request with the least to
+                # catch up on may start, and the size is chosen again without the others
+                # (plain included). A batch-4 step once started the draft model on four fresh
+                # prompts at once, a second of catch-ups, where drafting did not pay.
+                first = min(starting, key=lambda r: ctx.unseen[r])
+                open_ = [o and (r == first or r not in starting) for r, o in enumerate(open_)]
+                n = self._best(ctx, open_, target_cost, catchup)
+        return self._settle(ctx, open_, n)
+
+    def _best(
+        self,
+        ctx: SpeculationContext,
+        open_: list[bool],
+        target_cost: CostCurve,
+        catchup: Callable[[int], float],
+    ) -> int:
+        """The size with the best rate for the ``open_`` requests from the sizer's own
+        accepted lengths per size (0: plain)."""
         batch = len(ctx.caps)
         drafting = sum(open_)
         # Once per request, not per size: the catch-up does not depend on the tree.
@@ -166,8 +199,8 @@ class TreeSizer:
         for n in reversed(self.sizes(ctx.max_k)):  # ties go to the larger tree: it measures more
             # A request emits at most what it has left: one 2 tokens from its end once priced a
             # 4-node tree at 1 + 3.5 tokens and paid a whole catch-up on its prompt for it.
-            accepted = [
-                min(self.accepted(n, s), left - 1.0) if o else 0.0
+            accepted = [  # and at most n: an unmeasured size borrows a larger one's length
+                min(self.accepted(n, s), n, left - 1.0) if o else 0.0
                 for s, o, left in zip(ctx.seq_ids, open_, remaining)
             ]
             emitted = sum(1.0 + a for a in accepted)
@@ -177,7 +210,7 @@ class TreeSizer:
             rate = emitted / seconds if seconds > 0 else math.inf
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        return self._settle(ctx, open_, best_n)
+        return best_n
 
     def _settle(self, ctx: SpeculationContext, open_: list[bool], best_n: int) -> tuple[int, ...]:
         """The size chosen, for every open request, after the probes below."""
@@ -252,9 +285,15 @@ class TreeSizer:
         self, model_nodes: int, model_rows: int, batch: int, target_cost: CostCurve | None = None
     ) -> float:
         """Drafting seconds of a forecast plan: the model's for ``model_rows`` requests at
-        ``model_nodes`` nodes, else the lookups alone for ``batch`` requests (0 unmeasured)."""
+        ``model_nodes`` nodes (its measured seconds per node at that many requests, grown as
+        the target's pass past the largest measured; one forward per chain node, so a size
+        never drafted is priced from the others), else the lookups alone for ``batch``
+        requests (0 unmeasured: tried once). (Keyed by node bucket instead, a 2-node chain at
+        batch 4 was priced free, never timed, while 5-node chains at batch 1 were.)"""
         if model_rows > 0:
-            return self.draft_seconds(model_nodes, model_rows, target_cost)
+            if target_cost is None:
+                return self.model_node_cost.estimate(model_rows) * model_nodes
+            return self.model_node_cost.estimate_like(model_rows, target_cost) * model_nodes
         if self.lookup_cost is None or batch <= 0:
             return 0.0
         return self.lookup_cost.estimate(batch)
@@ -283,16 +322,16 @@ class TreeSizer:
         """The ``propose`` call of a forecast plan (:attr:`planned`) took ``seconds`` for
         ``batch`` requests; ``drafting_seconds`` is that time less the model's catch-up
         (``None``: the split is unknown, nothing recorded). A call where no model drafted
-        times the lookups; otherwise the model's drafting, keyed by its own node count and
-        the requests it drafted for."""
+        times the lookups; otherwise the model's drafting per node, by the requests it drafted
+        for."""
         assert self._planned is not None
         model_nodes, model_rows, _ = self._planned
         if model_rows == 0:
             if self.lookup_cost is None:
                 self.lookup_cost = self._curve()
             self.lookup_cost.observe(batch, seconds)
-        elif drafting_seconds is not None:
-            self.observe_propose(model_rows, model_nodes, drafting_seconds)
+        elif drafting_seconds is not None and model_nodes > 0:
+            self.model_node_cost.observe(model_rows, drafting_seconds / model_nodes)
 
     def observe_verify(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
         if num_drafted <= 0:

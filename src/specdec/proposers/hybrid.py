@@ -8,7 +8,8 @@ forward passes). The default rule, :class:`CostRule`, compares expected tokens p
 time from what it measures live:
 
 - the suffix tree's expected accepted tokens (its score: path probabilities from the index's
-  counts), times a per-request calibration (accepted / predicted on the request's suffix steps);
+  counts), times a per-request calibration (accepted / predicted on the request's suffix steps,
+  starting from the generator's);
 - the model's expected accepted tokens from the request's per-position acceptance on its
   model steps (accepted / (accepted + rejections), moving averages of both; a chain of k at
   acceptance a: a + a^2 + ... + a^k; the generator-wide rate before the request has any);
@@ -132,10 +133,19 @@ class CostRule:
     draft_cost: float = 0.0  # model drafting time / target pass time (EMA, measured)
     catchup_cost: float | None = None  # per caught-up token / target pass time (EMA, measured)
     model_acceptance: _Acceptance | None = None  # generator-wide
+    # Generator-wide accepted and predicted per suffix step (moving averages): a new request's
+    # calibration starts at their ratio. (At 1.0, a fresh prompt's trees, matched once in an
+    # earlier output, each node at probability 1, were taken at their word: forecast 1 of 1,
+    # accepted none, and a batch-4 run drafted for them at 0.87x plain.)
+    suffix_accepted: float = 1.0
+    suffix_predicted: float = 1.0
     _requests: dict[int, _RequestStats] = attrs.field(factory=dict)
 
     def _stats(self, seq_id: int) -> _RequestStats:
-        return self._requests.setdefault(seq_id, _RequestStats())
+        stats = self._requests.get(seq_id)
+        if stats is None:
+            stats = self._requests[seq_id] = _RequestStats(self.suffix_accepted / self.suffix_predicted)
+        return stats
 
     def expected(self, seq_id: int, tree: DraftTree, k: int) -> tuple[float, float]:
         """Expected accepted drafts: the suffix tree's (its score, calibrated on the request's
@@ -175,6 +185,8 @@ class CostRule:
         if used_suffix:
             if predicted > 0:
                 stats.suffix_ratio += d * (min(accepted / predicted, 4.0) - stats.suffix_ratio)
+                self.suffix_accepted += 0.1 * (min(accepted, 4.0 * predicted) - self.suffix_accepted)
+                self.suffix_predicted += 0.1 * (predicted - self.suffix_predicted)
         elif drafted:
             if self.model_acceptance is None:
                 self.model_acceptance = _Acceptance.at(self.prior_acceptance)
@@ -308,8 +320,11 @@ class SuffixHybrid:
         k_suffix = self.suffix.num_speculative_tokens
         grown: list[DraftTree] = []
         lags: list[int] = []
+        said: dict[int, tuple[DraftForecast, ...]] = {}  # n -> forecasts: asked twice, same answer
 
         def at(n: int) -> tuple[DraftForecast, ...]:
+            if n in said:
+                return said[n]
             if not grown:
                 for s, h in zip(seq_ids, token_ids):
                     grown.append(self.suffix.tree_for(s, h, k_suffix))
@@ -325,7 +340,8 @@ class SuffixHybrid:
                     out.append(DraftForecast(len(tree.tokens), expected(s, tree, k_model)[0], model=False))
                 else:
                     out.append(DraftForecast(k_model, expected(s, tree, k_model)[1], model=True, catchup=lag))
-            return tuple(out)
+            said[n] = tuple(out)
+            return said[n]
 
         return at
 
