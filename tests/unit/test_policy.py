@@ -931,7 +931,7 @@ def test_unmeasured_tree_sizes_are_tried_once_then_the_measured_best_wins():
 
 
 def test_trees_are_switched_off_where_they_cannot_pay_and_probed_later():
-    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0, probe_budget=1.0))
     policy.choose(tree_context(1))  # a tree context first, as the engine asks before drafting
     flat_then_linear(policy)
     for n in (1, 2, 4, 8, 16):
@@ -947,7 +947,7 @@ def test_trees_are_switched_off_where_they_cannot_pay_and_probed_later():
 def test_a_tree_probe_at_batch_four_drafts_for_one_request_only():
     """The request with the least to catch up on probes alone: a probe of every request (4 x 17
     verify rows, 4 catch-ups) costs several plain steps where trees do not pay."""
-    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0, probe_budget=1.0))
     policy.choose(tree_context(4))
     flat_then_linear(policy)
     for n in (1, 2, 4, 8, 16):
@@ -959,6 +959,25 @@ def test_a_tree_probe_at_batch_four_drafts_for_one_request_only():
     choices = [policy.choose(ctx) for _ in range(policy.trees.probe_after + 1)]
     assert set(choices[:-1]) == {(0, 0, 0, 0)}
     assert choices[-1] == (0, 16, 0, 0)  # request 2 has no budget left
+
+
+def test_a_tree_probe_waits_until_the_steps_off_pay_for_it():
+    """A probe costs its extra verify rows, its drafting and its catch-up; it comes once the
+    steps spent off, at ``probe_budget`` of their time, cover that (as the chain's probes):
+    unbudgeted, one 16-node probe cost a batch-16 run about 1 % against plain."""
+    policy = AdaptivePolicy(AdaptivePolicyConfig(cost_decay=0.0))
+    policy.choose(tree_context(1))
+    flat_then_linear(policy)
+    for n in (1, 2, 4, 8, 16):
+        policy.observe_propose(1, n, 0.150, unseen=0)  # drafting a tree costs 1.5 target steps
+        for _ in range(10):
+            policy.observe_verify(0, n, 0.5)
+    choices = [policy.choose(tree_context(1))[0] for _ in range(1000)]
+    first = choices.index(16)
+    plain = policy.target_cost.estimate(1)
+    extra = policy.trees.step_seconds(policy.target_cost, 17, 16, 1) - plain
+    assert first > policy.trees.probe_after and set(choices[:first]) == {0}
+    assert first + 1 == math.ceil(extra / (0.01 * plain)), (first, extra, plain)
 
 
 def test_a_policy_keeping_trees_on_re_measures_a_plain_step_now_and_then():

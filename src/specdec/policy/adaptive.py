@@ -156,7 +156,7 @@ class AdaptivePolicy:
         self._requests: dict[int, _Counts] = {}
         # Tree proposers (k = node count) are sized by their own model; the target's cost
         # curve is shared. Set by the first tree context: a policy serves one generator.
-        self.trees = TreeSizer(config.decay, config.cost_decay)
+        self.trees = TreeSizer(config.decay, config.cost_decay, probe_budget=config.probe_budget)
         self._trees = False
 
     def __repr__(self) -> str:

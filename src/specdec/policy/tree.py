@@ -32,7 +32,8 @@ request's 16-node suffix tree from a fresh prompt's empty one, and priced 16 all
 Xeon, 2 threads) the controller took 26 target passes on a retry where 12 sufficed.
 
 Measurements of the road not taken go stale, so after
-``probe_after`` steps with trees off the whole tree is tried once (by one request), and after
+``probe_after`` steps with trees off, once those steps pay for it at ``probe_budget`` of their
+time, the whole tree is tried once (by one request), and after
 ``probe_after`` steps with trees on one plain step re-measures the plain cost. Starts are
 staggered as in the chain policy: several requests whose catch-ups together cost more than a
 plain step do not start at once; the one with the least to catch up on may, if that pays.
@@ -58,11 +59,17 @@ class TreeSizer:
     """The tree half of :class:`~specdec.policy.adaptive.AdaptivePolicy` (state by request id)."""
 
     def __init__(
-        self, decay: float, cost_decay: float, prior_accepted: float = 1.0, probe_after: int = 64
+        self,
+        decay: float,
+        cost_decay: float,
+        prior_accepted: float = 1.0,
+        probe_after: int = 64,
+        probe_budget: float = 0.01,
     ) -> None:
         self.decay = decay
         self.prior_accepted = prior_accepted
         self.probe_after = probe_after
+        self.probe_budget = probe_budget
         self._curve = lambda: CostCurve(cost_decay, Extrapolation.FLAT)
         # Seconds of growing a tree, by batch, per power-of-two bucket of its node count (a tree
         # of n nodes is grown to depth min(depth, n) only).
@@ -164,7 +171,8 @@ class TreeSizer:
         if ctx.max_k <= 0 or not any(open_) or not target_cost.measured:
             return (0,) * len(ctx.caps)
         if self.forecasting:
-            return self._settle(ctx, open_, self._forecast_best(ctx, open_, target_cost, catchup))
+            n = self._forecast_best(ctx, open_, target_cost, catchup)
+            return self._settle(ctx, open_, n, target_cost, catchup)
         n = self._best(ctx, open_, target_cost, catchup)
         starting = [r for r, o in enumerate(open_) if o and ctx.unseen[r] > 2]
         if n > 0 and len(starting) > 1:
@@ -177,7 +185,7 @@ class TreeSizer:
                 first = min(starting, key=lambda r: ctx.unseen[r])
                 open_ = [o and (r == first or r not in starting) for r, o in enumerate(open_)]
                 n = self._best(ctx, open_, target_cost, catchup)
-        return self._settle(ctx, open_, n)
+        return self._settle(ctx, open_, n, target_cost, catchup)
 
     def _best(
         self,
@@ -212,13 +220,21 @@ class TreeSizer:
                 best_n, best_rate = n, rate
         return best_n
 
-    def _settle(self, ctx: SpeculationContext, open_: list[bool], best_n: int) -> tuple[int, ...]:
+    def _settle(
+        self,
+        ctx: SpeculationContext,
+        open_: list[bool],
+        best_n: int,
+        target_cost: CostCurve,
+        catchup: Callable[[int], float],
+    ) -> tuple[int, ...]:
         """The size chosen, for every open request, after the probes below."""
         # Measurements of a choice not taken go stale (the first steps of a process are slow,
         # machines drift): after probe_after steps one way, one step the other way.
         if best_n == 0:
             self._off_run, self._on_run = self._off_run + 1, 0
-            if self._off_run > self.probe_after:  # look again: the workload may have changed
+            if self._off_run > self.probe_after and self._probe_affordable(ctx, open_, target_cost, catchup):
+                # Look again: the workload may have changed.
                 self._off_run = 0
                 self._planned = None  # not a forecast plan: its drafting time is not recorded
                 return self._probe(ctx, open_)
@@ -297,6 +313,29 @@ class TreeSizer:
         if self.lookup_cost is None or batch <= 0:
             return 0.0
         return self.lookup_cost.estimate(batch)
+
+    def _probe_affordable(
+        self,
+        ctx: SpeculationContext,
+        open_: list[bool],
+        target_cost: CostCurve,
+        catchup: Callable[[int], float],
+    ) -> bool:
+        """Whether the steps spent off pay for a probe at ``probe_budget`` of their time, as
+        the chain policy's probes: its extra verify rows, its drafting and its request's
+        catch-up. (Unbudgeted, one 16-node probe with a catch-up cost a batch-16 run on a
+        1-thread Xeon about 1 % against plain.)"""
+        if not any(open_):
+            return False
+        batch = len(open_)
+        plain = target_cost.estimate(batch)
+        first = min((r for r, o in enumerate(open_) if o), key=lambda r: ctx.unseen[r])
+        extra = (
+            self.step_seconds(target_cost, batch + ctx.max_k, ctx.max_k, 1)
+            - plain
+            + catchup(ctx.unseen[first])
+        )
+        return self._off_run * self.probe_budget * plain >= extra
 
     @staticmethod
     def _probe(ctx: SpeculationContext, open_: list[bool]) -> tuple[int, ...]:
