@@ -24,7 +24,7 @@ from specdec.config import (
 )
 from specdec.interfaces import SpeculationContext
 from specdec.policy.acceptance import acceptance_estimate, position_hazards, survival
-from specdec.policy.cost_model import CostCurve, Extrapolation
+from specdec.policy.cost_model import CostCurve, Extrapolation, held_back_starts
 from specdec.policy.tree import TreeSizer
 from specdec.types import ProposalKind
 
@@ -295,24 +295,13 @@ class AdaptivePolicy:
         return tuple(ks)
 
     def _stagger_starts(self, ctx: SpeculationContext, ks: Sequence[int]) -> set[int]:
-        """The requests the plan ``ks`` starts that must wait: when starting several would sink
-        more than a plain step into catch-ups, all but the one with the least to catch up on.
-        A catch-up is paid at once and repaid only if drafting goes on, which the next steps'
-        measurements may deny (a cold batch-4 step on a 1-thread CPU paid four catch-ups,
-        1.0 s, on an acceptance carried over from batch 1, and stopped drafting four steps
-        later). The caller plans again without them, and that plan must beat a plain step on
-        its own: kept as the first plan had it, one request starting alone at batch 4 was
-        priced (by the policy itself) at 15 tokens/s against plain's 19 and taken anyway."""
+        """The requests the plan ``ks`` starts that must wait (:func:`~specdec.policy.
+        cost_model.held_back_starts`)."""
         # A request that drafted last step has 1 or 2 unseen tokens (the newest, and the last
         # draft after a full acceptance), which every drafting step runs anyway: no catch-up.
         starting = [r for r, k in enumerate(ks) if k > 0 and ctx.unseen[r] > 2]
-        if len(starting) < 2:
-            return set()
-        sunk = sum(self.catchup_seconds(ctx.unseen[r]) for r in starting)
-        if sunk <= self.target_cost.estimate(len(ks)):
-            return set()
-        first = min(starting, key=lambda r: ctx.unseen[r])
-        return {r for r in starting if r != first}
+        plain = self.target_cost.estimate(len(ks))
+        return held_back_starts(starting, ctx.unseen, self.catchup_seconds, plain)
 
     def _catchup_per_token(self, ctx: SpeculationContext, r: int) -> float:
         """Seconds per emitted token that drafting for request ``r`` costs on top of its drafts:

@@ -50,7 +50,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from specdec.interfaces import SpeculationContext
-from specdec.policy.cost_model import CostCurve, Extrapolation
+from specdec.policy.cost_model import CostCurve, Extrapolation, held_back_starts
 
 __all__ = ["TreeSizer"]
 
@@ -163,7 +163,7 @@ class TreeSizer:
         open_ = [c > 0 for c in ctx.caps]
         self._planned = None
         # Forecasts size a lone request's trees. At batch > 1 the batch shares one size, and a
-        # run of four fresh HumanEval prompts (one a repeat) on a 1-thread Xeon lost 9 % to
+        # run of four fresh HumanEval prompts (one a repeat) on a 1-thread Xeon lost 6 % to
         # plain on them: the repeat's 12-of-12 suffix steps cost 31-row passes, finished it
         # early and left three requests at batch 3 as slow per step as four; the step-by-step
         # rate cannot see that a closed batch ends with its slowest request.
@@ -174,16 +174,14 @@ class TreeSizer:
             n = self._forecast_best(ctx, open_, target_cost, catchup)
             return self._settle(ctx, open_, n, target_cost, catchup)
         n = self._best(ctx, open_, target_cost, catchup)
-        starting = [r for r, o in enumerate(open_) if o and ctx.unseen[r] > 2]
-        if n > 0 and len(starting) > 1:
-            sunk = sum(catchup(ctx.unseen[r]) for r in starting)
-            if sunk > target_cost.estimate(len(open_)):
-                # Staggered starts, as in the chain policy: only the request with the least to
-                # catch up on may start, and the size is chosen again without the others
-                # (plain included). A batch-4 step once started the draft model on four fresh
-                # prompts at once, a second of catch-ups, where drafting did not pay.
-                first = min(starting, key=lambda r: ctx.unseen[r])
-                open_ = [o and (r == first or r not in starting) for r, o in enumerate(open_)]
+        if n > 0:
+            # Staggered starts, as in the chain policy; the size is chosen again without the
+            # held-back requests (plain included). A batch-4 step once started the draft model
+            # on four fresh prompts at once, a second of catch-ups, where drafting did not pay.
+            starting = [r for r, o in enumerate(open_) if o and ctx.unseen[r] > 2]
+            held = held_back_starts(starting, ctx.unseen, catchup, target_cost.estimate(len(open_)))
+            if held:
+                open_ = [o and r not in held for r, o in enumerate(open_)]
                 n = self._best(ctx, open_, target_cost, catchup)
         return self._settle(ctx, open_, n, target_cost, catchup)
 
